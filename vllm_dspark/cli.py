@@ -1,0 +1,43 @@
+"""`vllm-dspark` console script: one subcommand per module that registers itself.
+
+Each module in `COMMAND_MODULES` exposes `register_cli(subparsers)`, which adds its own
+subparser and sets `func` (called with the parsed namespace, returns an exit code).
+Modules are imported lazily so `vllm-dspark --help` does not import vLLM or torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES: tuple[str, ...] = (
+    "vllm_dspark.serve",
+    "vllm_dspark.model.init_drafter",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-dspark",
+        description="DSpark speculative decoding for vLLM: serving, drafters, tools.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register_cli(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = sys.argv[1:] if argv is None else argv
+    # `serve` forwards everything to vLLM's own CLI untouched.
+    if args_list[:1] == ["serve"]:
+        from vllm_dspark.serve import run_vllm_cli
+
+        return run_vllm_cli(args_list)
+    args = build_parser().parse_args(args_list)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
