@@ -1,0 +1,196 @@
+"""Configuration objects: the drafter's checkpoint config and the plugin's serving options.
+
+Both are pydantic models so that a malformed `config.json` or a bad serving option fails
+at start-up with a message that names the field, instead of deep inside the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MarkovHeadType = Literal["vanilla", "gated", "rnn"]
+DRAFTER_ARCHITECTURE = "Qwen3DSparkModel"
+CONFIG_FILE = "config.json"
+
+
+class ConfigError(ValueError):
+    """A configuration or checkpoint does not fit; the message says what and where."""
+
+
+class DrafterConfig(BaseModel):
+    """`config.json` of a DSpark drafter (DSPARK.md section 6).
+
+    Unknown keys are kept (`extra="allow"`) so public checkpoints with more fields load
+    and save back without losing them.
+    """
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    architectures: list[str] = Field(default_factory=lambda: [DRAFTER_ARCHITECTURE])
+    model_type: str = "qwen3"
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    max_position_embeddings: int = Field(default=8192, gt=0)
+    vocab_size: int = Field(gt=0)
+    hidden_act: Literal["silu"] = "silu"
+    target_hidden_size: int | None = Field(default=None, gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    block_size: int = Field(gt=0, le=64)
+    target_layer_ids: list[int] = Field(min_length=1)
+    mask_token_id: int = Field(ge=0)
+    markov_rank: int = Field(default=256, ge=0)
+    markov_head_type: MarkovHeadType = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    # Sequential Temperature Scaling (DSPARK.md section 3): one temperature per block
+    # position, applied to the confidence logit. None means uncalibrated (all 1.0).
+    confidence_temperatures: list[float] | None = None
+    num_anchors: int = Field(default=64, gt=0)
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "float32"
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> "DrafterConfig":
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.mask_token_id >= self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                f"(vocab_size {self.vocab_size})"
+            )
+        ids = self.target_layer_ids
+        if min(ids) < -1:
+            raise ValueError(f"target_layer_ids must be >= -1 (-1 = embeddings), got {ids}")
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            # vLLM captures hidden states in layer order; the concatenation the `fc`
+            # layer was trained on must follow the same order.
+            raise ValueError(f"target_layer_ids must be strictly increasing, got {ids}")
+        temps = self.confidence_temperatures
+        if temps is not None:
+            if len(temps) != self.block_size:
+                raise ValueError(
+                    f"confidence_temperatures has {len(temps)} entries, "
+                    f"block_size is {self.block_size}"
+                )
+            if any(not (t > 0) for t in temps):
+                raise ValueError(f"confidence_temperatures must be > 0, got {temps}")
+        return self
+
+    @property
+    def context_hidden_size(self) -> int:
+        return self.target_hidden_size or self.hidden_size
+
+    @property
+    def has_markov_head(self) -> bool:
+        return self.markov_rank > 0
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "DrafterConfig":
+        config_path = Path(path) / CONFIG_FILE
+        if not config_path.is_file():
+            raise ConfigError(f"drafter config not found: {config_path}")
+        try:
+            raw = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{config_path} is not valid JSON: {exc}") from exc
+        return cls.parse_checked(raw, source=str(config_path))
+
+    @classmethod
+    def parse_checked(cls, raw: dict[str, Any], source: str) -> "DrafterConfig":
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid drafter config {source}:\n{exc}") from exc
+
+    def save(self, path: str | Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / CONFIG_FILE).write_text(
+            json.dumps(self.model_dump(exclude_none=True), indent=2) + "\n"
+        )
+
+    def check_fits_target(self, *, hidden_size: int, vocab_size: int, num_layers: int) -> None:
+        """Raise ConfigError when this drafter cannot read the given target's states."""
+        problems = []
+        if self.context_hidden_size != hidden_size:
+            problems.append(
+                f"drafter expects target hidden size {self.context_hidden_size}, "
+                f"target has {hidden_size}"
+            )
+        if self.vocab_size != vocab_size:
+            problems.append(
+                f"drafter vocabulary is {self.vocab_size}, target vocabulary is {vocab_size}"
+            )
+        bad = [i for i in self.target_layer_ids if i >= num_layers]
+        if bad:
+            problems.append(
+                f"target_layer_ids {bad} out of range: target has {num_layers} layers "
+                f"(valid ids -1..{num_layers - 1})"
+            )
+        if problems:
+            raise ConfigError("drafter does not match the target: " + "; ".join(problems))
+
+
+VerifyPolicyName = Literal["fixed", "threshold", "dspark", "dspark_async", "sla"]
+
+
+class PluginOptions(BaseModel):
+    """Serving options of the plugin, read from vLLM's `additional_config["vllm_dspark"]`.
+
+    Example: `--additional-config '{"vllm_dspark": {"policy": "dspark",
+    "sps_table": [[1, 11.9], [8, 8.9], [64, 3.2]]}}'`.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    # None: `dspark` when a throughput curve is given, else `fixed` (logged at start-up).
+    policy: VerifyPolicyName | None = None
+    # fixed policy: verify min(k, K) draft tokens; None = all K.
+    k: int | None = Field(default=None, ge=0)
+    threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    # SPS(B) as [[batch_tokens, steps_per_second], ...] or a profile file path.
+    sps_table: list[tuple[int, float]] | None = None
+    sps_profile: str | None = None
+    min_tokens_per_s: float = Field(default=0.0, ge=0.0)
+    log_interval_s: float = Field(default=10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_curve(self) -> "PluginOptions":
+        has_curve = self.sps_table is not None or self.sps_profile is not None
+        if self.policy is None:
+            self.policy = "dspark" if has_curve else "fixed"
+        needs_curve = self.policy in ("dspark", "dspark_async", "sla")
+        if needs_curve and not has_curve:
+            raise ValueError(
+                f"policy '{self.policy}' needs the engine throughput curve: give "
+                "'sps_table' ([[batch_tokens, steps_per_second], ...]) or 'sps_profile' "
+                "(a file written by `vllm-dspark profile`)"
+            )
+        if self.sps_table is not None and self.sps_profile is not None:
+            raise ValueError("give either 'sps_table' or 'sps_profile', not both")
+        return self
+
+    @classmethod
+    def from_additional_config(cls, additional_config: dict[str, Any] | None) -> "PluginOptions":
+        raw = (additional_config or {}).get("vllm_dspark", {})
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"additional_config['vllm_dspark'] must be an object, got {type(raw).__name__}"
+            )
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid vllm_dspark plugin options:\n{exc}") from exc

@@ -1,0 +1,271 @@
+"""The DSpark drafter as a plain PyTorch module, in the public checkpoint format.
+
+Block layout. vLLM's V1 runner feeds a parallel drafter the anchor (bonus) token followed
+by K mask tokens. Slot k (0-based) of that block predicts the token at anchor position
+k + 1 (DSpark's "anchor-first" reading), so K draft tokens come from slots 0..K-1 and the
+last mask slot only takes part in the bidirectional block attention. Training uses the
+same K + 1 slots with K = block_size, so serving sees exactly what training saw.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from vllm_dspark.config import ConfigError, DrafterConfig
+from vllm_dspark.model.heads import ConfidenceHead, HeadState, build_markov_head
+from vllm_dspark.model.layers import DraftDecoderLayer, RMSNorm
+
+WEIGHTS_FILE = "model.safetensors"
+SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass
+class DraftOutput:
+    """One drafted block per request."""
+
+    tokens: torch.Tensor  # [N, K] int64
+    # Draft distribution rows at the request's temperature, [N, K, V]; None when greedy.
+    probs: torch.Tensor | None
+    confidences: torch.Tensor  # [N, K] calibrated conditional survival c_k
+
+
+def block_mask(anchor_positions: torch.Tensor, context_len: int, slots: int) -> torch.Tensor:
+    """Attention mask [B, A*slots, T + A*slots]: a block sees context positions strictly
+    before its anchor and every slot of its own block, nothing else."""
+    b, a = anchor_positions.shape
+    device = anchor_positions.device
+    ctx_visible = torch.arange(context_len, device=device).view(1, 1, -1) < anchor_positions.unsqueeze(-1)
+    ctx_visible = ctx_visible.unsqueeze(2).expand(b, a, slots, context_len).reshape(b, a * slots, context_len)
+    block_id = torch.arange(a, device=device).repeat_interleave(slots)
+    same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(b, -1, -1)
+    return torch.cat([ctx_visible, same_block], dim=-1)
+
+
+class DSparkDrafter(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        for frozen in (self.embed_tokens, self.lm_head):
+            frozen.weight.requires_grad_(False)
+        self.fc = nn.Linear(config.context_hidden_size * len(config.target_layer_ids), d, bias=False)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.markov_head = build_markov_head(config)
+        self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
+
+    # ----------------------------------------------------------------- backbone
+    def block_input_ids(self, anchors: torch.Tensor, num_draft: int) -> torch.Tensor:
+        """[..., ] anchors -> [..., num_draft + 1] = anchor followed by mask tokens."""
+        masks = torch.full(
+            (*anchors.shape, num_draft), self.config.mask_token_id, dtype=torch.long, device=anchors.device
+        )
+        return torch.cat([anchors.unsqueeze(-1).long(), masks], dim=-1)
+
+    def backbone(
+        self,
+        context_states: torch.Tensor,
+        block_input_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """One parallel pass for many blocks.
+
+        context_states: [B, T, m * d_target] concatenated target hidden states at
+        positions 0..T-1; block_input_ids: [B, A, S]; anchor_positions: [B, A].
+        Returns the final-normed block hidden states [B, A, S, d].
+        """
+        b, a, s = block_input_ids.shape
+        t = context_states.shape[1]
+        ctx = self.hidden_norm(self.fc(context_states))
+        ctx_positions = torch.arange(t, device=ctx.device).expand(b, t)
+        positions = (anchor_positions.unsqueeze(-1) + torch.arange(s, device=ctx.device)).reshape(b, a * s)
+        mask = block_mask(anchor_positions, t, s)
+        x = self.embed_tokens(block_input_ids).reshape(b, a * s, -1)
+        for layer in self.layers:
+            ctx_kv = layer.self_attn.keys_values(ctx, ctx_positions)
+            x = layer(x, positions, ctx_kv, mask)
+        return self.norm(x).view(b, a, s, -1)
+
+    # --------------------------------------------------------- sequential stage
+    def head_step(
+        self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: HeadState
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, HeadState]:
+        """Markov bias and feature for one block position (None without a Markov head)."""
+        if self.markov_head is None:
+            return None, None, state
+        return self.markov_head.step(prev_tokens, hidden, state)
+
+    def confidence_temperatures(self, num_positions: int, like: torch.Tensor) -> torch.Tensor:
+        temps = self.config.confidence_temperatures or [1.0] * self.config.block_size
+        return like.new_tensor(temps[:num_positions])
+
+    def teacher_forced_heads(
+        self, hidden: torch.Tensor, prev_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Training/evaluation view: logits [N, K, V] and raw confidence logits [N, K]
+        given the true previous tokens [N, K] (prev_tokens[:, 0] is the anchor)."""
+        n, k, _ = hidden.shape
+        logits = self.lm_head(hidden)
+        state = self.markov_head.initial_state(n, hidden) if self.markov_head else None
+        biases, conf_logits = [], []
+        for j in range(k):
+            bias, feature, state = self.head_step(prev_tokens[:, j], hidden[:, j], state)
+            if bias is not None:
+                biases.append(bias)
+            if self.confidence_head is not None:
+                conf_logits.append(self.confidence_head.logit(hidden[:, j], feature))
+        if biases:
+            logits = logits + torch.stack(biases, dim=1)
+        return logits, torch.stack(conf_logits, dim=1) if conf_logits else None
+
+    @torch.no_grad()
+    def draft(
+        self,
+        hidden: torch.Tensor,
+        anchors: torch.Tensor,
+        temperature: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        base_logits: torch.Tensor | None = None,
+    ) -> DraftOutput:
+        """The left-to-right loop after the backbone pass.
+
+        hidden: [N, K, d] block hidden states of slots 0..K-1; anchors: [N];
+        temperature: [N] (<= 0 or None means greedy). base_logits [N, K, V] may be given
+        when the caller already applied the LM head (vLLM's logits processor).
+        """
+        n, k, _ = hidden.shape
+        logits_base = self.lm_head(hidden) if base_logits is None else base_logits
+        sampled = temperature is not None and bool((temperature > 0).any())
+        temps = temperature.clamp_min(1e-5).float().unsqueeze(-1) if sampled else None
+        conf_temps = self.confidence_temperatures(k, hidden)
+        state = self.markov_head.initial_state(n, hidden) if self.markov_head else None
+        prev = anchors.long()
+        tokens, probs, confidences = [], [], []
+        for j in range(k):
+            bias, feature, state = self.head_step(prev, hidden[:, j], state)
+            logits = logits_base[:, j].float() + (bias.float() if bias is not None else 0.0)
+            if self.confidence_head is not None:
+                conf = torch.sigmoid(self.confidence_head.logit(hidden[:, j], feature).float() / conf_temps[j])
+            else:
+                conf = torch.ones(n, device=hidden.device)
+            if sampled:
+                assert temps is not None and temperature is not None
+                row_probs = torch.softmax(logits / temps, dim=-1)
+                noise = torch.empty_like(row_probs).exponential_(generator=generator)
+                choice = (row_probs / noise).argmax(-1)
+                choice = torch.where(temperature > 0, choice, logits.argmax(-1))
+                probs.append(row_probs)
+            else:
+                choice = logits.argmax(-1)
+            tokens.append(choice)
+            confidences.append(conf)
+            prev = choice
+        return DraftOutput(
+            tokens=torch.stack(tokens, 1),
+            probs=torch.stack(probs, 1) if sampled else None,
+            confidences=torch.stack(confidences, 1),
+        )
+
+    # ------------------------------------------------------------------ I/O
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything except the weights shared with (copied from) the target."""
+        return {k: v for k, v in self.state_dict().items() if k not in SHARED_WITH_TARGET}
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.config.save(out)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state_dict().items()}
+        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+
+    def load_shared_from_target(self, target_dir: str | Path) -> None:
+        embed, lm_head = read_target_embeddings(target_dir, self.config)
+        self.embed_tokens.weight.data.copy_(embed)
+        self.lm_head.weight.data.copy_(lm_head)
+
+    @classmethod
+    def from_pretrained(
+        cls, drafter_dir: str | Path, target_dir: str | Path | None = None
+    ) -> "DSparkDrafter":
+        """Load a drafter; embedding and LM head come from the checkpoint when present,
+        otherwise from `target_dir` (required then)."""
+        config = DrafterConfig.from_dir(drafter_dir)
+        weights_path = Path(drafter_dir) / WEIGHTS_FILE
+        if not weights_path.is_file():
+            raise ConfigError(f"drafter weights not found: {weights_path}")
+        state = load_file(str(weights_path))
+        model = cls(config)
+        missing_shared = [k for k in SHARED_WITH_TARGET if k not in state]
+        if missing_shared:
+            if target_dir is None:
+                raise ConfigError(
+                    f"{drafter_dir} does not store {missing_shared}; pass the target "
+                    "checkpoint so they can be shared from it"
+                )
+            model.load_shared_from_target(target_dir)
+        expected = set(model.state_dict())
+        unexpected = sorted(set(state) - expected)
+        missing = sorted(expected - set(state) - set(missing_shared))
+        if unexpected or missing:
+            raise ConfigError(
+                f"drafter weights in {weights_path} do not match its config: "
+                f"missing {missing[:8]}, unexpected {unexpected[:8]}"
+            )
+        shapes = model.state_dict()
+        wrong = [f"{k}: {tuple(v.shape)} vs {tuple(shapes[k].shape)}" for k, v in state.items() if v.shape != shapes[k].shape]
+        if wrong:
+            raise ConfigError(f"drafter weight shapes do not match its config: {wrong[:8]}")
+        model.load_state_dict(state, strict=False)
+        return model
+
+
+def read_target_config(target_dir: str | Path) -> dict:
+    path = Path(target_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"target config not found: {path}")
+    return json.loads(path.read_text())
+
+
+def check_drafter_fits_target(config: DrafterConfig, target_dir: str | Path) -> dict:
+    """Validate against a Hugging Face target checkpoint; returns the target's config."""
+    target = read_target_config(target_dir)
+    config.check_fits_target(
+        hidden_size=target["hidden_size"],
+        vocab_size=target["vocab_size"],
+        num_layers=target["num_hidden_layers"],
+    )
+    return target
+
+
+def read_target_embeddings(
+    target_dir: str | Path, config: DrafterConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and LM head, read lazily from its safetensors."""
+    target = check_drafter_fits_target(config, target_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    wanted = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head"}
+    files = sorted(Path(target_dir).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no safetensors files in target checkpoint {target_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if name in wanted:
+                    tensors[wanted[name]] = handle.get_tensor(name).float()
+    if "embed" not in tensors:
+        raise ConfigError(f"target checkpoint {target_dir} has no model.embed_tokens.weight")
+    if "lm_head" not in tensors:
+        if not target.get("tie_word_embeddings", False):
+            raise ConfigError(f"target checkpoint {target_dir} has no lm_head.weight")
+        tensors["lm_head"] = tensors["embed"]
+    return tensors["embed"], tensors["lm_head"]

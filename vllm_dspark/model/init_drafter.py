@@ -1,0 +1,133 @@
+"""`vllm-dspark init-drafter`: write an untrained drafter that fits a target checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vllm_dspark.config import ConfigError, DrafterConfig, MarkovHeadType
+from vllm_dspark.model.drafter import DSparkDrafter, check_drafter_fits_target, read_target_config
+
+logger = logging.getLogger(__name__)
+
+# Tokens the chat template or the tokenizer uses in ordinary text; a mask token must not
+# be one of them, or an anchor could look like a mask.
+_COMMON_SPECIAL = {"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>", "<unk>", "<pad>"}
+
+
+def spread_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
+    """Layers spread over the depth, as in the paper's Qwen3-8B config (1, 9, 17, 25, 33
+    of 36): from layer 1 to three layers before the end."""
+    last = max(1, num_target_layers - 3)
+    if num_target_layers <= count:
+        return list(range(num_target_layers))
+    step = (last - 1) / (count - 1)
+    return sorted({round(1 + i * step) for i in range(count)})
+
+
+def choose_mask_token_id(target_dir: Path, vocab_size: int) -> int:
+    """A special token that plain text and the chat template never use; else the last id."""
+    tokenizer_config = target_dir / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        added = json.loads(tokenizer_config.read_text()).get("added_tokens_decoder", {})
+        candidates = [
+            int(token_id)
+            for token_id, info in added.items()
+            if info.get("special") and info.get("content") not in _COMMON_SPECIAL and int(token_id) < vocab_size
+        ]
+        if candidates:
+            return max(candidates)
+    return vocab_size - 1
+
+
+def drafter_config_for_target(
+    target_dir: str | Path,
+    *,
+    num_layers: int = 2,
+    block_size: int = 7,
+    markov_rank: int = 64,
+    markov_head_type: MarkovHeadType = "vanilla",
+    target_layer_ids: list[int] | None = None,
+) -> DrafterConfig:
+    target = read_target_config(target_dir)
+    if target.get("rope_scaling"):
+        raise ConfigError(f"targets with rope_scaling are not supported yet ({target_dir})")
+    heads = target["num_attention_heads"]
+    config = DrafterConfig(
+        hidden_size=target["hidden_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=target.get("num_key_value_heads", heads),
+        head_dim=target.get("head_dim") or target["hidden_size"] // heads,
+        intermediate_size=target["intermediate_size"],
+        rms_norm_eps=target.get("rms_norm_eps", 1e-6),
+        rope_theta=target.get("rope_theta", 10000.0),
+        max_position_embeddings=target.get("max_position_embeddings", 8192),
+        vocab_size=target["vocab_size"],
+        num_hidden_layers=num_layers,
+        block_size=block_size,
+        target_layer_ids=target_layer_ids or spread_layer_ids(target["num_hidden_layers"]),
+        mask_token_id=choose_mask_token_id(Path(target_dir), target["vocab_size"]),
+        markov_rank=markov_rank,
+        markov_head_type=markov_head_type,
+    )
+    check_drafter_fits_target(config, target_dir)
+    return config
+
+
+def init_weights(model: DSparkDrafter, seed: int) -> None:
+    """Small random weights; the Markov output starts at zero so an untrained head adds
+    nothing and training starts from a plain parallel drafter."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if name.endswith("norm.weight"):
+            nn.init.ones_(param)
+        elif name.endswith("bias") or "markov_w2" in name:
+            nn.init.zeros_(param)
+        else:
+            with torch.no_grad():
+                param.normal_(0.0, 0.02, generator=generator)
+
+
+def init_drafter(target_dir: str | Path, out_dir: str | Path, seed: int = 0, **options) -> DSparkDrafter:
+    config = drafter_config_for_target(target_dir, **options)
+    model = DSparkDrafter(config)
+    init_weights(model, seed)
+    model.load_shared_from_target(target_dir)
+    model.save_pretrained(out_dir)
+    logger.info("wrote untrained drafter to %s: %s", out_dir, config.model_dump(exclude_none=True))
+    return model
+
+
+def _run(args: argparse.Namespace) -> int:
+    init_drafter(
+        args.target,
+        args.out,
+        seed=args.seed,
+        num_layers=args.num_layers,
+        block_size=args.block_size,
+        markov_rank=args.markov_rank,
+        markov_head_type=args.markov_head_type,
+        target_layer_ids=args.target_layer_ids,
+    )
+    print(f"untrained drafter written to {args.out}")
+    return 0
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("init-drafter", help="write an untrained drafter for a target")
+    parser.add_argument("--target", required=True, help="Hugging Face target checkpoint directory")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=7)
+    parser.add_argument("--markov-rank", type=int, default=64, help="0 gives a plain DFlash drafter")
+    parser.add_argument("--markov-head-type", choices=["vanilla", "gated", "rnn"], default="vanilla")
+    parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_run)
