@@ -14,6 +14,7 @@ import sys
 COMMAND_MODULES: tuple[str, ...] = (
     "vllm_dspark.serve",
     "vllm_dspark.model.init_drafter",
+    "vllm_dspark.targets.cli",
 )
 
 
