@@ -1,0 +1,92 @@
+"""The global candidate order shared by the prefix schedulers (dspark, dspark_async, sla).
+
+A candidate is a draft slot (r, j): "verify draft token j of request r". Candidates are
+ranked by prefix survival a[r, j] = c[r, 1] * ... * c[r, j], descending; ties go to the
+smaller position j, then to the smaller request r. Because a[r, j] never increases with j
+and ties prefer the smaller j, every prefix of this order verifies a prefix of each
+request's block, and slot (r, j) is ranked using only c[r, 1..j] (plus other requests'
+confidences). That second property is what keeps an early-stopping scan over this order
+lossless: whether draft token j is verified never depends on c[r, j+1], which reads token j.
+
+Slots with a = 0 are never candidates: verifying them costs a token of the pass and gains
+nothing. The exact order (a descending, j ascending, r ascending, zeros dropped) is the
+contract other implementations of the schedulers (e.g. a GPU kernel) are checked against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+SpsFunction = Callable[[np.ndarray], np.ndarray]
+
+
+def check_confidences(confidences: np.ndarray) -> np.ndarray:
+    """Return `confidences` as float64 [R, K]; reject wrong shapes, NaN and values outside [0, 1].
+
+    Out-of-range values are an error rather than a clamp: they mean a broken confidence head
+    or calibration, and clamping would hide it while silently changing the schedule.
+    """
+    c = np.asarray(confidences, dtype=np.float64)
+    if c.ndim != 2:
+        raise ValueError(f"confidences must be a 2-D array [R, K], got shape {c.shape}")
+    if c.size and not (c.min() >= 0.0 and c.max() <= 1.0):
+        if np.isnan(c).any():
+            raise ValueError("confidences contain NaN")
+        raise ValueError(
+            f"confidences must lie in [0, 1], got values in [{c.min()}, {c.max()}]"
+        )
+    return c
+
+
+class Ranking(NamedTuple):
+    """Candidates with a > 0 in scheduling order."""
+
+    survival: np.ndarray  # a of each candidate, descending
+    request: np.ndarray  # r of each candidate
+    position: np.ndarray  # j of each candidate, 1-based
+    num_requests: int
+
+
+def rank_candidates(c: np.ndarray) -> Ranking:
+    """Sort the draft slots of a checked [R, K] confidence array into scheduling order."""
+    num_requests = c.shape[0]
+    # Position-major layout (flat index = (j-1) * R + r): a stable sort on -a then breaks
+    # ties by j first and r second, exactly the documented order.
+    survival = np.cumprod(c.T, axis=0).ravel()
+    order = np.argsort(-survival, kind="stable")[: np.count_nonzero(survival)]
+    position = order // num_requests
+    return Ranking(survival[order], order - position * num_requests, position + 1, num_requests)
+
+
+def expected_throughput(
+    ranking: Ranking, sps: SpsFunction, base_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Expected tokens per step and SPS after verifying the first n candidates, n = 0..N.
+
+    tau(n) = R + sum of the first n survivals (each request gains its bonus token), and the
+    pass carries B(n) = base_tokens + R + n tokens.
+    """
+    tau = np.empty(len(ranking.survival) + 1)
+    tau[0] = 0.0
+    np.cumsum(ranking.survival, out=tau[1:])
+    tau += ranking.num_requests
+    first = base_tokens + ranking.num_requests
+    batch = np.arange(first, first + len(tau), dtype=np.float64)
+    return tau, np.asarray(sps(batch), dtype=np.float64)
+
+
+def stopping_point(improves: np.ndarray) -> int:
+    """Number of candidates an early-stopping scan verifies.
+
+    `improves[n]` says whether adding candidate n (0-based) improved the scan's objective;
+    the scan stops at the first candidate that does not.
+    """
+    return len(improves) if improves.all() else int(np.argmin(improves))
+
+
+def lengths_of_prefix(ranking: Ranking, count: int) -> np.ndarray:
+    """Per-request verification lengths when the first `count` candidates are verified."""
+    return np.bincount(ranking.request[:count], minlength=ranking.num_requests).astype(np.int64)

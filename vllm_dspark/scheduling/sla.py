@@ -1,0 +1,112 @@
+"""SLA-aware verification: maximise throughput while every user keeps a tokens/s floor.
+
+Predicted per-user speed of request r verifying l_r drafts is
+v_r = (1 + a[r, 1] + ... + a[r, l_r]) * SPS(B): expected tokens per step times steps per
+second. Verifying more tokens raises throughput and the speed of the request that gains
+them, but slows every request in the pass through a lower SPS(B).
+
+Losslessness. The plan is an early-stopping scan over the same candidate order as `dspark`
+(see `ranking`), with a different stopping test. Whether candidate n is verified depends
+only on candidates 0..n of that order, and (r, j+1) always comes after (r, j); so whether
+draft token j of request r is verified never depends on c[r, j+1], which reads token j.
+A search that looked ahead and picked the best prefix afterwards would not have this
+property (DSPARK.md section 4).
+
+Stopping test, with rho(n) = min_r v_r(n) / floor_r the worst user's floor ratio:
+- while the floors hold (rho >= 1), a candidate is taken if throughput strictly rises and
+  the floors still hold afterwards: greedy throughput under the constraint;
+- while they do not hold, a candidate is taken if it strictly raises throughput or strictly
+  raises rho. This is the fallback when floors cannot be met: serve as many tokens as
+  possible and take every step that helps the slowest user. Maximising rho alone would be
+  useless here: with equal floors all users tie at the minimum, no single candidate raises
+  it (one user speeds up, the others slow down), and the scan would collapse to no
+  speculation, slower for everyone. Floors that cannot be met usually mean overload, which
+  admission control, not verification length, must fix; `SlaPlan.floor_met` reports it.
+A floor of 0 means no constraint; with all floors 0 the policy equals `dspark`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_dspark.scheduling.ranking import (
+    SpsFunction,
+    check_confidences,
+    expected_throughput,
+    lengths_of_prefix,
+    rank_candidates,
+    stopping_point,
+)
+
+
+@dataclass(frozen=True)
+class SlaPlan:
+    """The chosen lengths and what the scheduler predicts for them."""
+
+    lengths: np.ndarray  # int64 [R] draft tokens to verify
+    tokens_per_s: np.ndarray  # float [R] predicted per-user speed
+    floor_met: np.ndarray  # bool [R] predicted speed >= floor
+    throughput: float  # predicted system tokens/s
+
+    @property
+    def feasible(self) -> bool:
+        """Whether every request is predicted to meet its floor."""
+        return bool(self.floor_met.all())
+
+
+def _floors(min_tokens_per_s: float | np.ndarray, num_requests: int) -> np.ndarray:
+    floors = np.broadcast_to(np.asarray(min_tokens_per_s, dtype=np.float64), (num_requests,))
+    if not np.isfinite(floors).all() or (floors < 0).any():
+        raise ValueError("min_tokens_per_s must be finite and >= 0 (a float or an array [R])")
+    return floors
+
+
+def plan_sla(
+    confidences: np.ndarray,
+    sps: SpsFunction,
+    min_tokens_per_s: float | np.ndarray,
+    *,
+    base_tokens: int = 0,
+) -> SlaPlan:
+    """Plan verification lengths under per-user speed floors (see the module docstring)."""
+    c = check_confidences(confidences)
+    num_requests, block = c.shape
+    floors = _floors(min_tokens_per_s, num_requests)
+    if c.size == 0:
+        speeds = np.full(num_requests, float(sps(np.asarray(base_tokens + num_requests))))
+        return SlaPlan(np.zeros(num_requests, np.int64), speeds, speeds >= floors, speeds.sum())
+    ranking = rank_candidates(c)
+    tau, steps = expected_throughput(ranking, sps, base_tokens)
+    theta = tau * steps
+    count = len(ranking.survival)
+
+    # Expected tokens per step of request r after its first j drafts: 1 + a[r,1] + ... + a[r,j].
+    per_step = np.ones((num_requests, block + 1))
+    np.cumsum(np.cumprod(c, axis=1), axis=1, out=per_step[:, 1:])
+    per_step[:, 1:] += 1.0
+    with np.errstate(divide="ignore"):
+        inv_floor = 1.0 / floors  # a floor of 0 never binds: inf ratio
+    # Worst ratio min_r per_step_r(n) / floor_r for every prefix n, without an [N, R] array:
+    # a request's ratio only grows along the scan, so its value before candidate p (the one
+    # that raises it) is the last one it holds at time p, and the minimum over requests at
+    # time n is a suffix minimum over those "last held" values plus the final levels.
+    held = np.empty(count + 1)
+    held[:count] = per_step[ranking.request, ranking.position - 1] * inv_floor[ranking.request]
+    final_level = np.count_nonzero(c.cumprod(axis=1), axis=1)
+    held[count] = (per_step[np.arange(num_requests), final_level] * inv_floor).min()
+    worst = np.minimum.accumulate(held[::-1])[::-1] * steps
+
+    capped = np.minimum(worst, 1.0)
+    theta_up = theta[1:] > theta[:-1]
+    improves = np.where(
+        capped[:-1] >= 1.0,
+        theta_up & (capped[1:] >= 1.0),
+        theta_up | (capped[1:] > capped[:-1]),
+    )
+    chosen = stopping_point(improves)
+    lengths = lengths_of_prefix(ranking, chosen)
+    tokens = per_step[np.arange(num_requests), lengths]
+    met = tokens * inv_floor * steps[chosen] >= 1.0  # same arithmetic as `worst`
+    return SlaPlan(lengths, tokens * steps[chosen], met, float(theta[chosen]))
