@@ -1,0 +1,250 @@
+"""Fused sequential drafting head (vanilla low-rank Markov) with confidence.
+
+For R requests and K steps: logits_k = U[:, k] + W2 @ W1[x_{k-1}] (x_0 = anchor), then
+greedy (temperature 0) or Gumbel-max sampling at the request's temperature, with noise
+from `rng` so both paths pick identical tokens. Per step it reports the chosen token, its
+exact draft probability (softmax at T; at T = 1 for greedy rows) and the confidence
+c_k = sigmoid((w_h . h_k + w_m . W1[x_{k-1}] + b) / T_conf[k]). Optionally the full draft
+distribution rows are written, which rejection sampling at T > 0 needs.
+
+The kernel is one launch: each program owns BLOCK_R requests and loops over the K steps
+and over vocabulary tiles with an online softmax, so W2 tiles are shared by BLOCK_R
+requests through a tensor-core product instead of being re-read per request.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .rng import gumbel, gumbel_tl, seed_key, seed_key_tl, step_key, step_key_tl
+
+
+class DraftOutput(NamedTuple):
+    tokens: torch.Tensor  # [R, K] int64
+    token_probs: torch.Tensor  # [R, K] float32, draft probability of the chosen token
+    confidence: Optional[torch.Tensor]  # [R, K] float32, None without a confidence head
+    probs: Optional[torch.Tensor]  # [R, K, V] float32 when requested
+
+
+def _validate(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds):
+    num_req, k, vocab = base_logits.shape
+    rank = w1.shape[1]
+    if w1.shape != (vocab, rank) or w2.shape != (vocab, rank):
+        raise ValueError(f"w1/w2 must both be [V={vocab}, r], got {tuple(w1.shape)}, {tuple(w2.shape)}")
+    for name, t in (("anchor", anchor), ("temperature", temperature), ("seeds", seeds)):
+        if t.shape != (num_req,):
+            raise ValueError(f"{name} must be [R={num_req}], got {tuple(t.shape)}")
+    if conf_weight is not None:
+        if hidden is None or hidden.shape[:2] != (num_req, k):
+            raise ValueError("a confidence head needs hidden states [R, K, d]")
+        d = hidden.shape[2]
+        if conf_weight.shape not in ((d,), (d + rank,)):
+            raise ValueError(f"confidence weight must be [d] or [d + r], got {tuple(conf_weight.shape)}")
+        if conf_temps is not None and conf_temps.shape != (k,):
+            raise ValueError(f"conf_temps must be [K={k}], got {tuple(conf_temps.shape)}")
+
+
+def sequential_head_reference(
+    base_logits: torch.Tensor,
+    anchor: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    hidden: Optional[torch.Tensor] = None,
+    conf_weight: Optional[torch.Tensor] = None,
+    conf_bias: float = 0.0,
+    conf_temps: Optional[torch.Tensor] = None,
+    return_probs: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+) -> DraftOutput:
+    """PyTorch path, vectorised over requests; `compute_dtype=float64` for tests."""
+    _validate(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds)
+    num_req, k_steps, vocab = base_logits.shape
+    dev = base_logits.device
+    w1c, w2c = w1.to(compute_dtype), w2.to(compute_dtype)
+    sampled = temperature > 0
+    t_eff = torch.where(sampled, temperature, torch.ones_like(temperature)).to(compute_dtype)
+    key = seed_key(seeds.to(dev))
+    vocab_idx = torch.arange(vocab, device=dev)
+    tokens = torch.empty(num_req, k_steps, dtype=torch.int64, device=dev)
+    token_probs = torch.empty(num_req, k_steps, dtype=torch.float32, device=dev)
+    confidence = None if conf_weight is None else torch.empty_like(token_probs)
+    probs = torch.empty(num_req, k_steps, vocab, dtype=torch.float32, device=dev) if return_probs else None
+    prev = anchor.to(torch.int64)
+    for k in range(k_steps):
+        emb = w1c[prev]
+        logits = (base_logits[:, k].to(compute_dtype) + emb @ w2c.t()) / t_eff[:, None]
+        logp = torch.log_softmax(logits, dim=-1)
+        noise = gumbel(step_key(key, k), vocab_idx).to(compute_dtype)
+        score = torch.where(sampled[:, None], logits + noise, logits)
+        tok = torch.argmax(score, dim=-1)
+        tokens[:, k] = tok
+        token_probs[:, k] = logp.gather(1, tok[:, None]).squeeze(1).exp().float()
+        if probs is not None:
+            probs[:, k] = logp.exp().float()
+        if confidence is not None:
+            cw = conf_weight.to(compute_dtype)
+            d = hidden.shape[2]
+            z = hidden[:, k].to(compute_dtype) @ cw[:d] + conf_bias
+            if cw.shape[0] > d:
+                z = z + emb @ cw[d:]
+            t_conf = 1.0 if conf_temps is None else conf_temps[k].to(compute_dtype)
+            confidence[:, k] = torch.sigmoid(z / t_conf).float()
+        prev = tok
+    return DraftOutput(tokens, token_probs, confidence, probs)
+
+
+@triton.jit
+def _sequential_head_kernel(
+    u_ptr, anchor_ptr, w1_ptr, w2_ptr, temp_ptr, seed_ptr,
+    h_ptr, cw_ptr, ct_ptr, conf_bias,
+    tok_ptr, tp_ptr, conf_ptr, probs_ptr,
+    num_req, k_steps, vocab, rank, hid,
+    s_ur, s_uk, s_w1, s_w2, s_hr, s_hk, s_pr, s_pk,
+    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, R_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_CONF: tl.constexpr, CONF_MARKOV: tl.constexpr, WRITE_PROBS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < num_req
+    temp = tl.load(temp_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    sampled = temp > 0
+    inv_t = 1.0 / tl.where(sampled, temp, 1.0)
+    key = seed_key_tl(tl.load(seed_ptr + rows, mask=rmask, other=0).to(tl.int64))
+    prev = tl.load(anchor_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    offs_r = tl.arange(0, R_PAD)
+    rank_mask = offs_r < rank
+    step = tl.zeros([BLOCK_R], dtype=tl.uint32)
+    for k in range(0, k_steps):
+        emb = tl.load(w1_ptr + prev[:, None] * s_w1 + offs_r[None, :], mask=rank_mask[None, :], other=0.0)
+        kkey = step_key_tl(key, step)
+        run_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        run_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+        best = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        best_idx = tl.zeros([BLOCK_R], dtype=tl.int64)
+        best_logit = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for v0 in range(0, vocab, BLOCK_V):
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            vmask = offs_v < vocab
+            w2t = tl.load(w2_ptr + offs_v[None, :] * s_w2 + offs_r[:, None],
+                          mask=rank_mask[:, None] & vmask[None, :], other=0.0)
+            bias = tl.dot(emb, w2t, input_precision=DOT_PRECISION)
+            base = tl.load(u_ptr + rows[:, None] * s_ur + k * s_uk + offs_v[None, :],
+                           mask=rmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
+            logits = tl.where(vmask[None, :], (base + bias) * inv_t[:, None], float("-inf"))
+            if WRITE_PROBS:
+                tl.store(probs_ptr + rows[:, None] * s_pr + k * s_pk + offs_v[None, :], logits,
+                         mask=rmask[:, None] & vmask[None, :])
+            new_max = tl.maximum(run_max, tl.max(logits, axis=1))
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(logits - new_max[:, None]), axis=1)
+            run_max = new_max
+            noise = gumbel_tl(kkey, offs_v)
+            score = tl.where(sampled[:, None], logits + noise, logits)
+            tile_best = tl.max(score, axis=1)
+            tile_arg = tl.argmax(score, axis=1)
+            hit = offs_v[None, :] == (v0 + tile_arg)[:, None]
+            tile_logit = tl.sum(tl.where(hit, logits, 0.0), axis=1)
+            upd = tile_best > best
+            best = tl.where(upd, tile_best, best)
+            best_idx = tl.where(upd, (v0 + tile_arg).to(tl.int64), best_idx)
+            best_logit = tl.where(upd, tile_logit, best_logit)
+        tl.store(tok_ptr + rows * k_steps + k, best_idx, mask=rmask)
+        tl.store(tp_ptr + rows * k_steps + k, tl.exp(best_logit - run_max) / run_sum, mask=rmask)
+        if WRITE_PROBS:
+            # Each element is re-read by the thread that wrote it; the barrier makes that
+            # hold for any layout the compiler picks.
+            tl.debug_barrier()
+            for v0 in range(0, vocab, BLOCK_V):
+                offs_v = v0 + tl.arange(0, BLOCK_V)
+                pmask = rmask[:, None] & (offs_v < vocab)[None, :]
+                pp = probs_ptr + rows[:, None] * s_pr + k * s_pk + offs_v[None, :]
+                lg = tl.load(pp, mask=pmask, other=0.0)
+                tl.store(pp, tl.exp(lg - run_max[:, None]) / run_sum[:, None], mask=pmask)
+        if HAS_CONF:
+            z = tl.zeros([BLOCK_R], dtype=tl.float32)
+            for d0 in range(0, hid, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                dmask = offs_d < hid
+                hk = tl.load(h_ptr + rows[:, None] * s_hr + k * s_hk + offs_d[None, :],
+                             mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+                wd = tl.load(cw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+                z += tl.sum(hk * wd[None, :], axis=1)
+            if CONF_MARKOV:
+                wm = tl.load(cw_ptr + hid + offs_r, mask=rank_mask, other=0.0).to(tl.float32)
+                z += tl.sum(emb.to(tl.float32) * wm[None, :], axis=1)
+            t_conf = tl.load(ct_ptr + k).to(tl.float32)
+            conf = 1.0 / (1.0 + tl.exp(-((z + conf_bias) / t_conf)))
+            tl.store(conf_ptr + rows * k_steps + k, conf, mask=rmask)
+        prev = best_idx
+        step += 1
+
+
+def sequential_head_triton(
+    base_logits: torch.Tensor,
+    anchor: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    hidden: Optional[torch.Tensor] = None,
+    conf_weight: Optional[torch.Tensor] = None,
+    conf_bias: float = 0.0,
+    conf_temps: Optional[torch.Tensor] = None,
+    return_probs: bool = False,
+    block_r: int = 16,
+    block_v: int = 128,
+    out: Optional[DraftOutput] = None,
+) -> DraftOutput:
+    """Triton path: same arguments and outputs as `sequential_head_reference`.
+
+    `out` supplies preallocated output buffers (its `confidence`/`probs` must be given
+    exactly when a confidence head / `return_probs` is used).
+    """
+    _validate(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds)
+    num_req, k_steps, vocab = base_logits.shape
+    rank = w1.shape[1]
+    dev = base_logits.device
+    if base_logits.stride(2) != 1:
+        base_logits = base_logits.contiguous()
+    w1, w2 = w1.contiguous(), w2.contiguous()
+    has_conf = conf_weight is not None
+    if out is None:
+        tokens = torch.empty(num_req, k_steps, dtype=torch.int64, device=dev)
+        token_probs = torch.empty(num_req, k_steps, dtype=torch.float32, device=dev)
+        confidence = torch.empty_like(token_probs) if has_conf else None
+        probs = torch.empty(num_req, k_steps, vocab, dtype=torch.float32, device=dev) if return_probs else None
+    else:
+        tokens, token_probs, confidence, probs = out
+        if (confidence is not None) != has_conf or (probs is not None) != return_probs:
+            raise ValueError("`out` must hold confidence/probs buffers exactly when they are computed")
+    if num_req == 0 or k_steps == 0:
+        return DraftOutput(tokens, token_probs, confidence, probs)
+    if has_conf:
+        hidden = hidden.contiguous()
+        hid = hidden.shape[2]
+        if conf_temps is None:
+            conf_temps = torch.ones(k_steps, dtype=torch.float32, device=dev)
+        h_arg, cw_arg, ct_arg = hidden, conf_weight.contiguous(), conf_temps.contiguous()
+        s_hr, s_hk = hidden.stride(0), hidden.stride(1)
+    else:
+        hid, s_hr, s_hk = 0, 0, 0
+        h_arg = cw_arg = ct_arg = token_probs  # never read
+    grid = (triton.cdiv(num_req, block_r),)
+    _sequential_head_kernel[grid](
+        base_logits, anchor, w1, w2, temperature, seeds,
+        h_arg, cw_arg, ct_arg, float(conf_bias),
+        tokens, token_probs, confidence if has_conf else token_probs,
+        probs if return_probs else token_probs,
+        num_req, k_steps, vocab, rank, hid,
+        base_logits.stride(0), base_logits.stride(1), w1.stride(0), w2.stride(0), s_hr, s_hk,
+        probs.stride(0) if return_probs else 0, probs.stride(1) if return_probs else 0,
+        BLOCK_R=block_r, BLOCK_V=block_v, R_PAD=max(16, triton.next_power_of_2(rank)),
+        BLOCK_D=min(256, triton.next_power_of_2(max(hid, 16))),
+        HAS_CONF=has_conf, CONF_MARKOV=has_conf and conf_weight.shape[0] > hid,
+        WRITE_PROBS=return_probs,
+        DOT_PRECISION="ieee" if w1.dtype == torch.float32 else "tf32",
+    )
+    return DraftOutput(tokens, token_probs, confidence, probs)
