@@ -42,12 +42,13 @@ def check_confidences(confidences: np.ndarray) -> np.ndarray:
 
 
 class Ranking(NamedTuple):
-    """Candidates with a > 0 in scheduling order."""
+    """Candidates with a > 0 in scheduling order, and the survival table they come from."""
 
     survival: np.ndarray  # a of each candidate, descending
     request: np.ndarray  # r of each candidate
     position: np.ndarray  # j of each candidate, 1-based
     num_requests: int
+    table: np.ndarray  # a[r, j] stored position-major, shape [K, R]
 
 
 def rank_candidates(c: np.ndarray) -> Ranking:
@@ -55,10 +56,12 @@ def rank_candidates(c: np.ndarray) -> Ranking:
     num_requests = c.shape[0]
     # Position-major layout (flat index = (j-1) * R + r): a stable sort on -a then breaks
     # ties by j first and r second, exactly the documented order.
-    survival = np.cumprod(c.T, axis=0).ravel()
+    table = np.cumprod(c.T, axis=0)
+    survival = table.ravel()
     order = np.argsort(-survival, kind="stable")[: np.count_nonzero(survival)]
     position = order // num_requests
-    return Ranking(survival[order], order - position * num_requests, position + 1, num_requests)
+    request = order - position * num_requests
+    return Ranking(survival[order], request, position + 1, num_requests, table)
 
 
 def expected_throughput(

@@ -82,10 +82,11 @@ def plan_sla(
     theta = tau * steps
     count = len(ranking.survival)
 
-    # Expected tokens per step of request r after its first j drafts: 1 + a[r,1] + ... + a[r,j].
-    per_step = np.ones((num_requests, block + 1))
-    np.cumsum(np.cumprod(c, axis=1), axis=1, out=per_step[:, 1:])
-    per_step[:, 1:] += 1.0
+    # Expected tokens per step of request r after its first j drafts, stored [K + 1, R]:
+    # 1 + a[r, 1] + ... + a[r, j].
+    per_step = np.ones((block + 1, num_requests))
+    np.cumsum(ranking.table, axis=0, out=per_step[1:])
+    per_step[1:] += 1.0
     with np.errstate(divide="ignore"):
         inv_floor = 1.0 / floors  # a floor of 0 never binds: inf ratio
     # Worst ratio min_r per_step_r(n) / floor_r for every prefix n, without an [N, R] array:
@@ -93,9 +94,10 @@ def plan_sla(
     # that raises it) is the last one it holds at time p, and the minimum over requests at
     # time n is a suffix minimum over those "last held" values plus the final levels.
     held = np.empty(count + 1)
-    held[:count] = per_step[ranking.request, ranking.position - 1] * inv_floor[ranking.request]
-    final_level = np.count_nonzero(c.cumprod(axis=1), axis=1)
-    held[count] = (per_step[np.arange(num_requests), final_level] * inv_floor).min()
+    held[:count] = per_step[ranking.position - 1, ranking.request] * inv_floor[ranking.request]
+    requests = np.arange(num_requests)
+    final_level = np.count_nonzero(ranking.table, axis=0)
+    held[count] = (per_step[final_level, requests] * inv_floor).min()
     worst = np.minimum.accumulate(held[::-1])[::-1] * steps
 
     capped = np.minimum(worst, 1.0)
@@ -107,6 +109,6 @@ def plan_sla(
     )
     chosen = stopping_point(improves)
     lengths = lengths_of_prefix(ranking, chosen)
-    tokens = per_step[np.arange(num_requests), lengths]
+    tokens = per_step[lengths, requests]
     met = tokens * inv_floor * steps[chosen] >= 1.0  # same arithmetic as `worst`
     return SlaPlan(lengths, tokens * steps[chosen], met, float(theta[chosen]))

@@ -66,6 +66,15 @@ class SpsCurve(pydantic.BaseModel):
         self._batch = np.array(batch)
         self._step_time = np.array(step_time)
 
+    def __eq__(self, other: object) -> bool:
+        # pydantic's default also compares the private NumPy caches, which has no truth value.
+        if not isinstance(other, SpsCurve):
+            return NotImplemented
+        return self.points == other.points and self.metadata == other.metadata
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.points), tuple(sorted(self.metadata.items()))))
+
     def step_time(self, batch_tokens: np.ndarray | int) -> np.ndarray | float:
         """Seconds per engine step for passes of `batch_tokens` tokens (vectorised)."""
         seconds = np.interp(batch_tokens, self._batch, self._step_time)
