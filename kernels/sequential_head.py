@@ -7,9 +7,10 @@ exact draft probability (softmax at T; at T = 1 for greedy rows) and the confide
 c_k = sigmoid((w_h . h_k + w_m . W1[x_{k-1}] + b) / T_conf[k]). Optionally the full draft
 distribution rows are written, which rejection sampling at T > 0 needs.
 
-The kernel is one launch: each program owns BLOCK_R requests and loops over the K steps
-and over vocabulary tiles with an online softmax, so W2 tiles are shared by BLOCK_R
-requests through a tensor-core product instead of being re-read per request.
+Each program owns BLOCK_R requests and one contiguous vocabulary split, walks it in tiles
+with an online softmax and Gumbel-max, and shares every W2 tile among its BLOCK_R requests
+through a tensor-core product. One launch per step (K + 1 in all) merges the previous
+step's per-split partials, since the next token needs the whole vocabulary.
 """
 
 from typing import NamedTuple, Optional
@@ -98,88 +99,130 @@ def sequential_head_reference(
 
 
 @triton.jit
-def _sequential_head_kernel(
+def _combine_splits(pf_ptr, pi_ptr, buf, rows, rmask, num_req, num_splits, SPLITS_PAD: tl.constexpr):
+    """Merge per-split (max, sum, best score, logit at best, index at best) of one step.
+
+    Splits are contiguous vocabulary ranges in order, so the first maximal split holds the
+    smallest winning index: the same tie rule as torch.argmax.
+    """
+    offs_s = tl.arange(0, SPLITS_PAD)
+    m2 = rmask[:, None] & (offs_s < num_splits)[None, :]
+    plane = num_req * num_splits
+    at = rows[:, None] * num_splits + offs_s[None, :]
+    f_base = pf_ptr + buf * 4 * plane
+    # Rows past the batch get a harmless (max 0, sum 1) so no inf - inf is ever formed.
+    p_max = tl.where(rmask[:, None], tl.load(f_base + at, mask=m2, other=float("-inf")), 0.0)
+    p_sum = tl.where(rmask[:, None], tl.load(f_base + plane + at, mask=m2, other=0.0), 1.0)
+    p_best = tl.load(f_base + 2 * plane + at, mask=m2, other=float("-inf"))
+    p_logit = tl.load(f_base + 3 * plane + at, mask=m2, other=0.0)
+    p_idx = tl.load(pi_ptr + buf * plane + at, mask=m2, other=0)
+    g_max = tl.max(p_max, axis=1)
+    g_sum = tl.sum(p_sum * tl.exp(p_max - g_max[:, None]), axis=1)
+    win = tl.argmax(p_best, axis=1)
+    hit = offs_s[None, :] == win[:, None]
+    token = tl.sum(tl.where(hit, p_idx, 0), axis=1)
+    logit = tl.sum(tl.where(hit, p_logit, 0.0), axis=1)
+    return token, logit, g_max, g_sum
+
+
+@triton.jit
+def _sequential_head_step_kernel(
     u_ptr, anchor_ptr, w1_ptr, w2_ptr, temp_ptr, seed_ptr,
     h_ptr, cw_ptr, ct_ptr, conf_bias,
-    tok_ptr, tp_ptr, conf_ptr, probs_ptr,
-    num_req, k_steps, vocab, rank, hid,
+    tok_ptr, tp_ptr, conf_ptr, probs_ptr, pf_ptr, pi_ptr,
+    step, num_req, k_steps, vocab, rank, hid, split_len, num_splits,
     s_ur, s_uk, s_w1, s_w2, s_hr, s_hk, s_pr, s_pk,
     BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, R_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_CONF: tl.constexpr, CONF_MARKOV: tl.constexpr, WRITE_PROBS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HAS_CONF: tl.constexpr, CONF_MARKOV: tl.constexpr,
+    WRITE_PROBS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """Launch `step` (0..K) over (request tile, vocabulary split).
+
+    It first finishes step-1 from the partials that launch left (token, its probability,
+    normalised probability rows of this split), then, if step < K, computes step's
+    partials over this split. Partials are double-buffered by step parity.
+    """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    split = tl.program_id(1)
     rmask = rows < num_req
-    temp = tl.load(temp_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    sampled = temp > 0
-    inv_t = 1.0 / tl.where(sampled, temp, 1.0)
-    key = seed_key_tl(tl.load(seed_ptr + rows, mask=rmask, other=0).to(tl.int64))
-    prev = tl.load(anchor_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    offs_r = tl.arange(0, R_PAD)
-    rank_mask = offs_r < rank
-    step = tl.zeros([BLOCK_R], dtype=tl.uint32)
-    for k in range(0, k_steps):
+    v_lo = split * split_len
+    v_hi = tl.minimum(v_lo + split_len, vocab)
+    if step == 0:
+        prev = tl.load(anchor_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        prev, logit, g_max, g_sum = _combine_splits(pf_ptr, pi_ptr, (step - 1) % 2, rows, rmask,
+                                                    num_req, num_splits, SPLITS_PAD)
+        if split == 0:
+            tl.store(tok_ptr + rows * k_steps + step - 1, prev, mask=rmask)
+            tl.store(tp_ptr + rows * k_steps + step - 1, tl.exp(logit - g_max) / g_sum, mask=rmask)
+        if WRITE_PROBS:
+            for v0 in range(v_lo, v_hi, BLOCK_V):
+                offs_v = v0 + tl.arange(0, BLOCK_V)
+                pmask = rmask[:, None] & (offs_v < v_hi)[None, :]
+                pp = probs_ptr + rows[:, None] * s_pr + (step - 1) * s_pk + offs_v[None, :]
+                lg = tl.load(pp, mask=pmask, other=0.0)
+                tl.store(pp, tl.exp(lg - g_max[:, None]) / g_sum[:, None], mask=pmask)
+    if step < k_steps:
+        temp = tl.load(temp_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        sampled = temp > 0
+        inv_t = 1.0 / tl.where(sampled, temp, 1.0)
+        key = seed_key_tl(tl.load(seed_ptr + rows, mask=rmask, other=0).to(tl.int64))
+        kkey = step_key_tl(key, tl.zeros([BLOCK_R], dtype=tl.uint32) + step)
+        offs_r = tl.arange(0, R_PAD)
+        rank_mask = offs_r < rank
         emb = tl.load(w1_ptr + prev[:, None] * s_w1 + offs_r[None, :], mask=rank_mask[None, :], other=0.0)
-        kkey = step_key_tl(key, step)
+        if HAS_CONF:
+            if split == 0:
+                z = tl.zeros([BLOCK_R], dtype=tl.float32)
+                for d0 in range(0, hid, BLOCK_D):
+                    offs_d = d0 + tl.arange(0, BLOCK_D)
+                    dmask = offs_d < hid
+                    hk = tl.load(h_ptr + rows[:, None] * s_hr + step * s_hk + offs_d[None, :],
+                                 mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+                    wd = tl.load(cw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+                    z += tl.sum(hk * wd[None, :], axis=1)
+                if CONF_MARKOV:
+                    wm = tl.load(cw_ptr + hid + offs_r, mask=rank_mask, other=0.0).to(tl.float32)
+                    z += tl.sum(emb.to(tl.float32) * wm[None, :], axis=1)
+                t_conf = tl.load(ct_ptr + step).to(tl.float32)
+                conf = 1.0 / (1.0 + tl.exp(-((z + conf_bias) / t_conf)))
+                tl.store(conf_ptr + rows * k_steps + step, conf, mask=rmask)
         run_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
         run_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
         best = tl.full([BLOCK_R], float("-inf"), tl.float32)
         best_idx = tl.zeros([BLOCK_R], dtype=tl.int64)
         best_logit = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for v0 in range(0, vocab, BLOCK_V):
+        for v0 in range(v_lo, v_hi, BLOCK_V):
             offs_v = v0 + tl.arange(0, BLOCK_V)
-            vmask = offs_v < vocab
+            vmask = offs_v < v_hi
             w2t = tl.load(w2_ptr + offs_v[None, :] * s_w2 + offs_r[:, None],
                           mask=rank_mask[:, None] & vmask[None, :], other=0.0)
             bias = tl.dot(emb, w2t, input_precision=DOT_PRECISION)
-            base = tl.load(u_ptr + rows[:, None] * s_ur + k * s_uk + offs_v[None, :],
+            base = tl.load(u_ptr + rows[:, None] * s_ur + step * s_uk + offs_v[None, :],
                            mask=rmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
             logits = tl.where(vmask[None, :], (base + bias) * inv_t[:, None], float("-inf"))
             if WRITE_PROBS:
-                tl.store(probs_ptr + rows[:, None] * s_pr + k * s_pk + offs_v[None, :], logits,
+                tl.store(probs_ptr + rows[:, None] * s_pr + step * s_pk + offs_v[None, :], logits,
                          mask=rmask[:, None] & vmask[None, :])
             new_max = tl.maximum(run_max, tl.max(logits, axis=1))
             run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(logits - new_max[:, None]), axis=1)
             run_max = new_max
-            noise = gumbel_tl(kkey, offs_v)
-            score = tl.where(sampled[:, None], logits + noise, logits)
+            score = tl.where(sampled[:, None], logits + gumbel_tl(kkey, offs_v), logits)
             tile_best = tl.max(score, axis=1)
-            tile_arg = tl.argmax(score, axis=1)
-            hit = offs_v[None, :] == (v0 + tile_arg)[:, None]
-            tile_logit = tl.sum(tl.where(hit, logits, 0.0), axis=1)
+            tile_arg = v0 + tl.argmax(score, axis=1)
+            tile_logit = tl.sum(tl.where(offs_v[None, :] == tile_arg[:, None], logits, 0.0), axis=1)
             upd = tile_best > best
             best = tl.where(upd, tile_best, best)
-            best_idx = tl.where(upd, (v0 + tile_arg).to(tl.int64), best_idx)
+            best_idx = tl.where(upd, tile_arg.to(tl.int64), best_idx)
             best_logit = tl.where(upd, tile_logit, best_logit)
-        tl.store(tok_ptr + rows * k_steps + k, best_idx, mask=rmask)
-        tl.store(tp_ptr + rows * k_steps + k, tl.exp(best_logit - run_max) / run_sum, mask=rmask)
-        if WRITE_PROBS:
-            # Each element is re-read by the thread that wrote it; the barrier makes that
-            # hold for any layout the compiler picks.
-            tl.debug_barrier()
-            for v0 in range(0, vocab, BLOCK_V):
-                offs_v = v0 + tl.arange(0, BLOCK_V)
-                pmask = rmask[:, None] & (offs_v < vocab)[None, :]
-                pp = probs_ptr + rows[:, None] * s_pr + k * s_pk + offs_v[None, :]
-                lg = tl.load(pp, mask=pmask, other=0.0)
-                tl.store(pp, tl.exp(lg - run_max[:, None]) / run_sum[:, None], mask=pmask)
-        if HAS_CONF:
-            z = tl.zeros([BLOCK_R], dtype=tl.float32)
-            for d0 in range(0, hid, BLOCK_D):
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                dmask = offs_d < hid
-                hk = tl.load(h_ptr + rows[:, None] * s_hr + k * s_hk + offs_d[None, :],
-                             mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-                wd = tl.load(cw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-                z += tl.sum(hk * wd[None, :], axis=1)
-            if CONF_MARKOV:
-                wm = tl.load(cw_ptr + hid + offs_r, mask=rank_mask, other=0.0).to(tl.float32)
-                z += tl.sum(emb.to(tl.float32) * wm[None, :], axis=1)
-            t_conf = tl.load(ct_ptr + k).to(tl.float32)
-            conf = 1.0 / (1.0 + tl.exp(-((z + conf_bias) / t_conf)))
-            tl.store(conf_ptr + rows * k_steps + k, conf, mask=rmask)
-        prev = best_idx
-        step += 1
+        plane = num_req * num_splits
+        at = rows * num_splits + split
+        f_base = pf_ptr + (step % 2) * 4 * plane
+        tl.store(f_base + at, run_max, mask=rmask)
+        tl.store(f_base + plane + at, run_sum, mask=rmask)
+        tl.store(f_base + 2 * plane + at, best, mask=rmask)
+        tl.store(f_base + 3 * plane + at, best_logit, mask=rmask)
+        tl.store(pi_ptr + (step % 2) * plane + at, best_idx, mask=rmask)
 
 
 def sequential_head_triton(
@@ -196,9 +239,15 @@ def sequential_head_triton(
     return_probs: bool = False,
     block_r: int = 16,
     block_v: int = 128,
+    num_splits: Optional[int] = None,
     out: Optional[DraftOutput] = None,
 ) -> DraftOutput:
     """Triton path: same arguments and outputs as `sequential_head_reference`.
+
+    K + 1 launches over (request tile, vocabulary split): the next token needs the whole
+    vocabulary, and a grid-wide barrier inside one launch could deadlock, so each launch
+    merges the previous step's per-split partials. `num_splits` defaults to about twice
+    the GPU's SM count over the request tiles.
 
     `out` supplies preallocated output buffers (its `confidence`/`probs` must be given
     exactly when a confidence head / `return_probs` is used).
@@ -232,19 +281,29 @@ def sequential_head_triton(
     else:
         hid, s_hr, s_hk = 0, 0, 0
         h_arg = cw_arg = ct_arg = token_probs  # never read
-    grid = (triton.cdiv(num_req, block_r),)
-    _sequential_head_kernel[grid](
-        base_logits, anchor, w1, w2, temperature, seeds,
-        h_arg, cw_arg, ct_arg, float(conf_bias),
-        tokens, token_probs, confidence if has_conf else token_probs,
-        probs if return_probs else token_probs,
-        num_req, k_steps, vocab, rank, hid,
-        base_logits.stride(0), base_logits.stride(1), w1.stride(0), w2.stride(0), s_hr, s_hk,
-        probs.stride(0) if return_probs else 0, probs.stride(1) if return_probs else 0,
-        BLOCK_R=block_r, BLOCK_V=block_v, R_PAD=max(16, triton.next_power_of_2(rank)),
-        BLOCK_D=min(256, triton.next_power_of_2(max(hid, 16))),
-        HAS_CONF=has_conf, CONF_MARKOV=has_conf and conf_weight.shape[0] > hid,
-        WRITE_PROBS=return_probs,
-        DOT_PRECISION="ieee" if w1.dtype == torch.float32 else "tf32",
-    )
+    row_tiles = triton.cdiv(num_req, block_r)
+    if num_splits is None:
+        # Enough programs to fill the GPU about twice; W2 is then read once per row tile.
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        num_splits = triton.cdiv(2 * sms, row_tiles)
+    split_len = triton.cdiv(triton.cdiv(vocab, max(1, min(num_splits, vocab))), block_v) * block_v
+    num_splits = triton.cdiv(vocab, split_len)
+    part_f = torch.empty(2, 4, num_req, num_splits, dtype=torch.float32, device=dev)
+    part_i = torch.empty(2, num_req, num_splits, dtype=torch.int64, device=dev)
+    for step in range(k_steps + 1):
+        _sequential_head_step_kernel[(row_tiles, num_splits)](
+            base_logits, anchor, w1, w2, temperature, seeds,
+            h_arg, cw_arg, ct_arg, float(conf_bias),
+            tokens, token_probs, confidence if has_conf else token_probs,
+            probs if return_probs else token_probs, part_f, part_i,
+            step, num_req, k_steps, vocab, rank, hid, split_len, num_splits,
+            base_logits.stride(0), base_logits.stride(1), w1.stride(0), w2.stride(0), s_hr, s_hk,
+            probs.stride(0) if return_probs else 0, probs.stride(1) if return_probs else 0,
+            BLOCK_R=block_r, BLOCK_V=block_v, R_PAD=max(16, triton.next_power_of_2(rank)),
+            BLOCK_D=min(256, triton.next_power_of_2(max(hid, 16))),
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HAS_CONF=has_conf, CONF_MARKOV=has_conf and conf_weight.shape[0] > hid,
+            WRITE_PROBS=return_probs,
+            DOT_PRECISION="ieee" if w1.dtype == torch.float32 else "tf32",
+        )
     return DraftOutput(tokens, token_probs, confidence, probs)

@@ -184,18 +184,19 @@ def _head_case(num_req, k, vocab, rank, hid, dtype, conf="markov", seed=0):
 
 
 HEAD_CASES = {
-    # name: (R, K, V, r, d, dtype, confidence head, return_probs)
-    "fp32_markov_conf_probs_masked_tails": (5, 3, 300, 24, 40, torch.float32, "markov", True),
-    "fp32_two_row_tiles": (19, 2, 200, 16, 16, torch.float32, "plain", False),
-    "bf16_no_conf": (4, 4, 1000, 64, 32, torch.bfloat16, None, False),
-    "fp16_one_step_probs": (3, 1, 129, 32, 300, torch.float16, "markov", True),
+    # name: (R, K, V, r, d, dtype, confidence head, return_probs, vocabulary splits)
+    "fp32_markov_conf_probs_masked_tails": (5, 3, 300, 24, 40, torch.float32, "markov", True, 1),
+    "fp32_splits_probs": (5, 3, 700, 24, 40, torch.float32, "markov", True, 3),
+    "fp32_two_row_tiles": (19, 2, 200, 16, 16, torch.float32, "plain", False, 2),
+    "bf16_no_conf_many_splits": (4, 4, 1000, 64, 32, torch.bfloat16, None, False, 5),
+    "fp16_one_step_probs": (3, 1, 129, 32, 300, torch.float16, "markov", True, 2),
 }
 
 
 @needs_interpreter
 @pytest.mark.parametrize("name", list(HEAD_CASES))
 def test_sequential_head_matches_reference(name: str) -> None:
-    num_req, k, vocab, rank, hid, dtype, conf, probs = HEAD_CASES[name]
+    num_req, k, vocab, rank, hid, dtype, conf, probs, splits = HEAD_CASES[name]
     case = _head_case(num_req, k, vocab, rank, hid, dtype, conf)
     ref = sequential_head.sequential_head_reference(**case, return_probs=probs, compute_dtype=torch.float64)
     out = DraftOutput(
@@ -204,7 +205,7 @@ def test_sequential_head_matches_reference(name: str) -> None:
         confidence=None if conf is None else torch.full((num_req, k), POISON_F),
         probs=torch.full((num_req, k, vocab), POISON_F) if probs else None,
     )
-    got = sequential_head.sequential_head_triton(**case, return_probs=probs, out=out)
+    got = sequential_head.sequential_head_triton(**case, return_probs=probs, num_splits=splits, out=out)
     assert torch.equal(got.tokens, ref.tokens)
     torch.testing.assert_close(got.token_probs, ref.token_probs, atol=1e-5, rtol=1e-4)
     if conf is not None:
