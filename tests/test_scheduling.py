@@ -121,6 +121,14 @@ def test_sps_load_errors_name_the_file(tmp_path) -> None:
         SpsCurve.load(invalid)
 
 
+def test_sps_over_range_is_the_curve_on_consecutive_batches() -> None:
+    curve = SpsCurve(points=[(1, 11.9), (8, 8.9), (128, 2.1)])
+    for first, count in [(0, 1), (5, 10), (60, 10), (100, 1000), (3, 2)]:
+        np.testing.assert_array_equal(
+            curve.over_range(first, count), curve(np.arange(first, first + count))
+        )
+
+
 # --- input validation shared by all policies ----------------------------------------------
 
 
@@ -257,6 +265,14 @@ def test_async_top_slots_follow_the_documented_tie_order() -> None:
     expected = {0: [0, 0], 1: [1, 0], 2: [1, 1], 3: [2, 1], 4: [2, 2], 10: [2, 2]}
     for budget, lengths in expected.items():
         assert select_verify_lengths(c, FLAT, "dspark_async", budget=budget).tolist() == lengths
+
+
+def test_order_is_exact_for_values_one_ulp_apart() -> None:
+    # Request 1's survival is larger by one ulp: it must come first despite its index.
+    c = np.array([[0.5], [np.nextafter(0.5, 1.0)]])
+    assert select_verify_lengths(c, FLAT, "dspark_async", budget=1).tolist() == [0, 1]
+    c = np.array([[np.nextafter(0.5, 1.0)], [0.5]])
+    assert select_verify_lengths(c, FLAT, "dspark_async", budget=1).tolist() == [1, 0]
 
 
 def test_async_ties_across_requests_go_to_the_smaller_request() -> None:

@@ -94,7 +94,8 @@ def plan_sla(
     # that raises it) is the last one it holds at time p, and the minimum over requests at
     # time n is a suffix minimum over those "last held" values plus the final levels.
     held = np.empty(count + 1)
-    held[:count] = per_step[ranking.position - 1, ranking.request] * inv_floor[ranking.request]
+    request = ranking.requests()
+    held[:count] = per_step[ranking.positions() - 1, request] * inv_floor[request]
     requests = np.arange(num_requests)
     final_level = np.count_nonzero(ranking.table, axis=0)
     held[count] = (per_step[final_level, requests] * inv_floor).min()

@@ -35,6 +35,7 @@ class SpsCurve(pydantic.BaseModel):
 
     _batch: np.ndarray = pydantic.PrivateAttr()
     _step_time: np.ndarray = pydantic.PrivateAttr()
+    _per_token: np.ndarray = pydantic.PrivateAttr(default_factory=lambda: np.empty(0))
 
     @pydantic.field_validator("points")
     @classmethod
@@ -83,6 +84,19 @@ class SpsCurve(pydantic.BaseModel):
     def __call__(self, batch_tokens: np.ndarray | int) -> np.ndarray | float:
         """Steps per second for passes of `batch_tokens` tokens (vectorised)."""
         return 1.0 / self.step_time(batch_tokens)
+
+    def over_range(self, first: int, count: int) -> np.ndarray:
+        """SPS for B = first, first + 1, ..., first + count - 1 (read-only view).
+
+        The scheduler asks for consecutive batch sizes every step; a per-token table,
+        grown by doubling, turns that into a slice instead of an interpolation.
+        """
+        end = first + count
+        if end > len(self._per_token):
+            table = self(np.arange(max(end, 2 * len(self._per_token), 64), dtype=np.float64))
+            table.flags.writeable = False
+            self._per_token = table
+        return self._per_token[first:end]
 
     @classmethod
     def load(cls, path: str | Path) -> SpsCurve:
