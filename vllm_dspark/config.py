@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if TYPE_CHECKING:
+    from vllm_dspark.scheduling.sps import SpsCurve
 
 MarkovHeadType = Literal["vanilla", "gated", "rnn"]
 DRAFTER_ARCHITECTURE = "Qwen3DSparkModel"
@@ -181,7 +184,19 @@ class PluginOptions(BaseModel):
             )
         if self.sps_table is not None and self.sps_profile is not None:
             raise ValueError("give either 'sps_table' or 'sps_profile', not both")
+        if has_curve:
+            self.sps_curve()  # fail at start-up, naming the table or file
         return self
+
+    def sps_curve(self) -> "SpsCurve | None":
+        """The engine throughput curve SPS(B), or None when no policy needs it."""
+        from vllm_dspark.scheduling.sps import SpsCurve
+
+        if self.sps_profile is not None:
+            return SpsCurve.load(self.sps_profile)
+        if self.sps_table is not None:
+            return SpsCurve(points=self.sps_table)
+        return None
 
     @classmethod
     def from_additional_config(cls, additional_config: dict[str, Any] | None) -> "PluginOptions":

@@ -10,7 +10,6 @@ same K + 1 slots with K = block_size, so serving sees exactly what training saw.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,21 +18,16 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from vllm_dspark.config import ConfigError, DrafterConfig
-from vllm_dspark.model.heads import ConfidenceHead, HeadState, build_markov_head
+from vllm_dspark.model.heads import (
+    ConfidenceHead,
+    DraftOutput,
+        build_markov_head,
+    sequential_draft,
+)
 from vllm_dspark.model.layers import DraftDecoderLayer, RMSNorm
 
 WEIGHTS_FILE = "model.safetensors"
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
-
-
-@dataclass
-class DraftOutput:
-    """One drafted block per request."""
-
-    tokens: torch.Tensor  # [N, K] int64
-    # Draft distribution rows at the request's temperature, [N, K, V]; None when greedy.
-    probs: torch.Tensor | None
-    confidences: torch.Tensor  # [N, K] calibrated conditional survival c_k
 
 
 def block_mask(anchor_positions: torch.Tensor, context_len: int, slots: int) -> torch.Tensor:
@@ -97,14 +91,6 @@ class DSparkDrafter(nn.Module):
         return self.norm(x).view(b, a, s, -1)
 
     # --------------------------------------------------------- sequential stage
-    def head_step(
-        self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: HeadState
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, HeadState]:
-        """Markov bias and feature for one block position (None without a Markov head)."""
-        if self.markov_head is None:
-            return None, None, state
-        return self.markov_head.step(prev_tokens, hidden, state)
-
     def confidence_temperatures(self, num_positions: int, like: torch.Tensor) -> torch.Tensor:
         temps = self.config.confidence_temperatures or [1.0] * self.config.block_size
         return like.new_tensor(temps[:num_positions])
@@ -119,8 +105,9 @@ class DSparkDrafter(nn.Module):
         state = self.markov_head.initial_state(n, hidden) if self.markov_head else None
         biases, conf_logits = [], []
         for j in range(k):
-            bias, feature, state = self.head_step(prev_tokens[:, j], hidden[:, j], state)
-            if bias is not None:
+            feature = None
+            if self.markov_head is not None:
+                bias, feature, state = self.markov_head.step(prev_tokens[:, j], hidden[:, j], state)
                 biases.append(bias)
             if self.confidence_head is not None:
                 conf_logits.append(self.confidence_head.logit(hidden[:, j], feature))
@@ -128,52 +115,23 @@ class DSparkDrafter(nn.Module):
             logits = logits + torch.stack(biases, dim=1)
         return logits, torch.stack(conf_logits, dim=1) if conf_logits else None
 
-    @torch.no_grad()
     def draft(
         self,
         hidden: torch.Tensor,
         anchors: torch.Tensor,
         temperature: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
-        base_logits: torch.Tensor | None = None,
     ) -> DraftOutput:
-        """The left-to-right loop after the backbone pass.
-
-        hidden: [N, K, d] block hidden states of slots 0..K-1; anchors: [N];
-        temperature: [N] (<= 0 or None means greedy). base_logits [N, K, V] may be given
-        when the caller already applied the LM head (vLLM's logits processor).
-        """
-        n, k, _ = hidden.shape
-        logits_base = self.lm_head(hidden) if base_logits is None else base_logits
-        sampled = temperature is not None and bool((temperature > 0).any())
-        temps = temperature.clamp_min(1e-5).float().unsqueeze(-1) if sampled else None
-        conf_temps = self.confidence_temperatures(k, hidden)
-        state = self.markov_head.initial_state(n, hidden) if self.markov_head else None
-        prev = anchors.long()
-        tokens, probs, confidences = [], [], []
-        for j in range(k):
-            bias, feature, state = self.head_step(prev, hidden[:, j], state)
-            logits = logits_base[:, j].float() + (bias.float() if bias is not None else 0.0)
-            if self.confidence_head is not None:
-                conf = torch.sigmoid(self.confidence_head.logit(hidden[:, j], feature).float() / conf_temps[j])
-            else:
-                conf = torch.ones(n, device=hidden.device)
-            if sampled:
-                assert temps is not None and temperature is not None
-                row_probs = torch.softmax(logits / temps, dim=-1)
-                noise = torch.empty_like(row_probs).exponential_(generator=generator)
-                choice = (row_probs / noise).argmax(-1)
-                choice = torch.where(temperature > 0, choice, logits.argmax(-1))
-                probs.append(row_probs)
-            else:
-                choice = logits.argmax(-1)
-            tokens.append(choice)
-            confidences.append(conf)
-            prev = choice
-        return DraftOutput(
-            tokens=torch.stack(tokens, 1),
-            probs=torch.stack(probs, 1) if sampled else None,
-            confidences=torch.stack(confidences, 1),
+        """Sequential stage after the backbone; hidden: [N, K, d] of slots 0..K-1."""
+        return sequential_draft(
+            self.markov_head,
+            self.confidence_head,
+            self.confidence_temperatures(hidden.shape[1], hidden),
+            self.lm_head(hidden),
+            hidden,
+            anchors,
+            temperature,
+            generator,
         )
 
     # ------------------------------------------------------------------ I/O

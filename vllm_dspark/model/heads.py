@@ -7,6 +7,8 @@ with teacher forcing and the serving proposer all run the same code.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -102,3 +104,63 @@ class ConfidenceHead(nn.Module):
     def logit(self, hidden: torch.Tensor, markov_feature: torch.Tensor | None) -> torch.Tensor:
         features = torch.cat([hidden, markov_feature], -1) if self.with_markov else hidden
         return self.proj(features).squeeze(-1)
+
+
+@dataclass
+class DraftOutput:
+    """One drafted block per request."""
+
+    tokens: torch.Tensor  # [N, K] int64
+    # Draft distribution rows at each request's temperature, [N, K, V]; None when all
+    # requests are greedy (rejection sampling then needs no draft probabilities).
+    probs: torch.Tensor | None
+    confidences: torch.Tensor  # [N, K] calibrated conditional survival c_k
+
+
+@torch.no_grad()
+def sequential_draft(
+    markov_head: MarkovHead | None,
+    confidence_head: ConfidenceHead | None,
+    confidence_temperatures: torch.Tensor,
+    base_logits: torch.Tensor,
+    hidden: torch.Tensor,
+    anchors: torch.Tensor,
+    temperature: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> DraftOutput:
+    """The left-to-right loop after the backbone pass, shared by the PyTorch drafter and
+    the vLLM proposer.
+
+    base_logits: [N, K, V] backbone logits U_k; hidden: [N, K, d]; anchors: [N];
+    temperature: [N], a value <= 0 (or None for all) means greedy.
+    """
+    n, k, _ = hidden.shape
+    sampled = temperature is not None and bool((temperature > 0).any())
+    state = markov_head.initial_state(n, hidden) if markov_head is not None else None
+    prev = anchors.long()
+    tokens, probs, confidences = [], [], []
+    for j in range(k):
+        logits = base_logits[:, j].float()
+        feature = None
+        if markov_head is not None:
+            bias, feature, state = markov_head.step(prev, hidden[:, j], state)
+            logits = logits + bias.float()
+        if confidence_head is not None:
+            conf_logit = confidence_head.logit(hidden[:, j], feature).float()
+            confidences.append(torch.sigmoid(conf_logit / confidence_temperatures[j]))
+        else:
+            confidences.append(torch.ones(n, device=hidden.device))
+        choice = logits.argmax(-1)
+        if sampled:
+            assert temperature is not None
+            row_probs = torch.softmax(logits / temperature.clamp_min(1e-5).float().unsqueeze(-1), dim=-1)
+            noise = torch.empty_like(row_probs).exponential_(generator=generator)
+            choice = torch.where(temperature > 0, (row_probs / noise).argmax(-1), choice)
+            probs.append(row_probs)
+        tokens.append(choice)
+        prev = choice
+    return DraftOutput(
+        tokens=torch.stack(tokens, 1),
+        probs=torch.stack(probs, 1) if sampled else None,
+        confidences=torch.stack(confidences, 1),
+    )

@@ -1,0 +1,114 @@
+"""vllm_dspark inside a real, in-process vLLM engine (V1 runner, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import (
+    engine_scheduler,
+    fit_markov_to_transitions,
+    generate_ids,
+    make_drafter,
+    make_llm,
+    spec_counters,
+)
+
+PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300, 11, 12, 13, 14], [42, 17, 99], [7, 300, 2, 9, 9, 9, 1, 4], [250, 251]]
+MAX_TOKENS = 24
+K = 4
+# Steps per second falling with batch tokens: verification is cheap at first, then not.
+SPS_TABLE = [[1, 100.0], [5, 97.0], [10, 90.0], [15, 70.0], [20, 50.0], [40, 25.0]]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_target: Path) -> list[list[int]]:
+    llm = make_llm(tiny_target)
+    outputs = generate_ids(llm, PROMPTS, MAX_TOKENS)
+    del llm
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def fitted_drafter(tiny_target: Path, baseline: list[list[int]], tmp_path_factory) -> Path:
+    drafter = make_drafter(tiny_target, tmp_path_factory.mktemp("drafter"))
+    fit_markov_to_transitions(drafter, tiny_target, [p + o for p, o in zip(PROMPTS, baseline)])
+    return drafter
+
+
+def spec_config(drafter: Path, k: int = K) -> dict:
+    return {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize(
+    "plugin_options",
+    [{"policy": "fixed"}, {"policy": "fixed", "k": 2}, {"policy": "dspark", "sps_table": SPS_TABLE}],
+    ids=["fixed", "fixed-k2", "dspark"],
+)
+def test_greedy_outputs_identical(tiny_target, fitted_drafter, baseline, plugin_options):
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": plugin_options})
+    assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
+    counters = spec_counters(llm)
+    assert counters["num_drafts"] > 0
+    assert counters["num_accepted_tokens"] > 0, "the fitted drafter should get some drafts accepted"
+    scheduler = engine_scheduler(llm)
+    verified = [int(v) for d in scheduler.recent_decisions for v in d.verified]
+    if plugin_options.get("k") is not None:
+        assert max(verified) <= plugin_options["k"]
+
+
+def test_per_request_lengths_and_counters(tiny_target, fitted_drafter, baseline):
+    options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}}
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
+    assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
+    scheduler = engine_scheduler(llm)
+    decisions = list(scheduler.recent_decisions)
+    assert decisions
+    # Within one step, requests with different confidences verify different lengths.
+    assert any(len(set(d.verified.tolist())) > 1 for d in decisions if len(d.verified) > 1)
+    for d in decisions:
+        # dspark admits (request, position) slots in order of prefix survival, so every
+        # kept slot survives at least as likely as every dropped one.
+        survival = np.cumprod(d.confidences, axis=1)
+        kept = [survival[r, j] for r in range(len(d.req_ids)) for j in range(d.verified[r])]
+        dropped = [survival[r, j] for r in range(len(d.req_ids)) for j in range(d.verified[r], d.proposed[r])]
+        if kept and dropped:
+            assert min(kept) >= max(dropped) - 1e-9
+    counters = spec_counters(llm)
+    counted = scheduler.draft_counters
+    assert counted.verified < counted.proposed, "the policy should prune some drafts here"
+    # vLLM's own counter sees the verified drafts, not the proposed ones.
+    assert counters["num_draft_tokens"] == counted.verified
+
+
+def test_sampling_with_draft_probabilities_runs(tiny_target, fitted_drafter):
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": {"policy": "fixed"}})
+    outputs = generate_ids(llm, PROMPTS, MAX_TOKENS, temperature=1.0, seed=3)
+    assert all(len(o) == MAX_TOKENS for o in outputs)
+    assert spec_counters(llm)["num_accepted_tokens"] > 0
+
+
+def test_smollm2_greedy_identical(smollm2_target, tmp_path):
+    from vllm import SamplingParams
+
+    drafter = make_drafter(smollm2_target, tmp_path / "drafter", num_layers=1, block_size=4, markov_rank=16)
+    prompts = [
+        [{"role": "user", "content": "What is 12 times 7?"}],
+        [{"role": "user", "content": "Write a Python function that reverses a string."}],
+        [{"role": "user", "content": "Name three colours."}],
+    ]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+
+    def run(spec):
+        llm = make_llm(smollm2_target, spec, {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}} if spec else None)
+        outputs = [list(o.outputs[0].token_ids) for o in llm.chat(prompts, params, use_tqdm=False)]
+        counters = spec_counters(llm) if spec else {}
+        del llm
+        return outputs, counters
+
+    base, _ = run(None)
+    spec, counters = run(spec_config(drafter, k=4))
+    assert spec == base
+    assert counters["num_drafts"] > 0

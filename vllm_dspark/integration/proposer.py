@@ -1,0 +1,97 @@
+"""The vllm_dspark proposer: vLLM's DFlash proposer with the DSpark sequential stage.
+
+vLLM's V1 runner builds one proposer class for parallel drafters (`DFlashProposer`); the
+patch module points that name at this subclass, which behaves exactly like its parent for
+method "dflash" and adds, for "vllm_dspark":
+- anchor-first sampling slots (slot k predicts the token at anchor position k + 1),
+- the Markov loop with per-request temperature and exact draft probabilities,
+- per-position confidences kept for the scheduler (`take_confidences`).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_dspark.model.heads import sequential_draft
+
+METHOD = "vllm_dspark"
+# vLLM marks greedy requests with a temperature below this value.
+_GREEDY_EPS = 1e-5
+
+
+class DSparkProposer(DFlashProposer):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None) -> None:
+        spec_config = vllm_config.speculative_config
+        assert spec_config is not None
+        self.is_dspark = spec_config.method == METHOD
+        # The parent asserts method == "dflash"; everything it sets up is what we need.
+        if self.is_dspark:
+            spec_config.method = "dflash"
+        try:
+            super().__init__(vllm_config, device, runner)
+        finally:
+            if self.is_dspark:
+                spec_config.method = METHOD
+        self._anchors: torch.Tensor | None = None
+        self._confidences: list[list[float]] | None = None
+
+    def set_inputs_first_pass(
+        self,
+        target_token_ids: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        cad: CommonAttentionMetadata,
+        num_rejected_tokens_gpu: torch.Tensor | None,
+    ) -> tuple[int, torch.Tensor, CommonAttentionMetadata]:
+        num_tokens, sample_indices, new_cad = super().set_inputs_first_pass(
+            target_token_ids,
+            next_token_ids,
+            target_positions,
+            target_hidden_states,
+            token_indices_to_sample,
+            cad,
+            num_rejected_tokens_gpu,
+        )
+        if not self.is_dspark:
+            return num_tokens, sample_indices, new_cad
+        self._anchors = next_token_ids[: cad.batch_size()]
+        # The parent samples the K mask slots (1..K); DSpark reads slots 0..K-1.
+        return num_tokens, sample_indices - 1, new_cad
+
+    def _sample_draft_tokens(
+        self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.is_dspark:
+            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        assert self._anchors is not None
+        k = self.num_speculative_tokens
+        batch = hidden_states.shape[0] // k
+        model = self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
+        base_logits = model.compute_logits(hidden_states).view(batch, k, -1)
+        temperature = None
+        if not sampling_metadata.all_greedy and sampling_metadata.temperature is not None:
+            temps = sampling_metadata.temperature[:batch].float()
+            temperature = torch.where(temps < _GREEDY_EPS, torch.zeros_like(temps), temps)
+        out = sequential_draft(
+            model.markov_head,
+            model.confidence_head,
+            model.confidence_temperatures,
+            base_logits,
+            hidden_states.view(batch, k, -1),
+            self._anchors[:batch],
+            temperature,
+        )
+        self._confidences = out.confidences.float().cpu().tolist()
+        probs = None if out.probs is None else out.probs.reshape(batch * k, -1)
+        return out.tokens.reshape(-1), probs
+
+    def take_confidences(self) -> list[list[float]] | None:
+        """Confidences of the last proposal, handed over once (then None until the next)."""
+        confidences, self._confidences = self._confidences, None
+        return confidences

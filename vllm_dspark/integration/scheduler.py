@@ -1,0 +1,181 @@
+"""Scheduler subclass: decides, before every step, how many drafts each request verifies.
+
+Drafts arrive with their confidences (`update_draft_token_ids`). Before the parent
+schedules, `spec_token_ids` of every decoding request is cut to the length the policy
+chose, so dropped drafts never reach the token budget, the KV cache or the verifier.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import DraftTokenIds
+from vllm.v1.request import Request
+
+from vllm_dspark.config import PluginOptions
+from vllm_dspark.scheduling import dspark_budget, select_verify_lengths
+
+logger = logging.getLogger(__name__)
+
+# Per-request SLA floor a client can ask for: SamplingParams(extra_args={...}).
+MIN_TOKENS_PER_S_ARG = "dspark_min_tokens_per_s"
+
+
+@dataclass(frozen=True)
+class VerifyDecision:
+    """What the policy decided in one step (kept for metrics, logs and tests)."""
+
+    req_ids: tuple[str, ...]
+    proposed: np.ndarray  # [R] drafts available per request
+    verified: np.ndarray  # [R] drafts kept for verification
+    confidences: np.ndarray  # [R, K] conditional confidences used (0 where absent)
+    base_tokens: int
+
+
+@dataclass
+class DraftCounters:
+    proposed: int = 0
+    verified: int = 0
+    steps: int = 0
+    missing_confidences: int = 0
+    invalid_confidences: int = 0
+
+    @property
+    def pruned(self) -> int:
+        return self.proposed - self.verified
+
+
+class DSparkScheduler(Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dspark_options = PluginOptions.from_additional_config(self.vllm_config.additional_config)
+        self.sps_curve = self.dspark_options.sps_curve()
+        self.draft_counters = DraftCounters()
+        self.recent_decisions: deque[VerifyDecision] = deque(maxlen=4096)
+        self._confidences: dict[str, np.ndarray] = {}
+        self._async_budget: int | None = None
+        self._last_log = time.monotonic()
+        logger.info(
+            "vllm_dspark scheduler: policy=%s%s",
+            self.dspark_options.policy,
+            "" if self.sps_curve is None else f", SPS curve with {len(self.sps_curve.points)} points",
+        )
+
+    # ----------------------------------------------------------- drafts in
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        super().update_draft_token_ids(draft_token_ids)
+        confidences = getattr(draft_token_ids, "confidences", None)
+        if confidences is None:
+            return
+        for req_id, row in zip(draft_token_ids.req_ids, confidences):
+            request = self.requests.get(req_id)
+            if request is not None and request.spec_token_ids:
+                # validate_tokens may have shortened the drafts; keep aligned rows only.
+                self._confidences[req_id] = np.asarray(row[: len(request.spec_token_ids)], dtype=np.float64)
+
+    # --------------------------------------------------------- the decision
+    def schedule(self, *args, **kwargs) -> SchedulerOutput:
+        self._trim_drafts()
+        return super().schedule(*args, **kwargs)
+
+    def _trim_drafts(self) -> None:
+        drafting = [r for r in self.running if r.spec_token_ids]
+        if not drafting:
+            return
+        proposed = np.array([len(r.spec_token_ids) for r in drafting], dtype=np.int64)
+        confidences = self._confidence_matrix(drafting, int(proposed.max()))
+        options: dict[str, object] = {}
+        policy = self.dspark_options.policy
+        if policy == "fixed" and self.dspark_options.k is not None:
+            options["k"] = self.dspark_options.k
+        elif policy == "threshold":
+            options["threshold"] = self.dspark_options.threshold
+        elif policy == "sla":
+            options["min_tokens_per_s"] = self._speed_floors(drafting)
+        base_tokens = self._non_draft_tokens()
+        if policy == "dspark_async":
+            # The budget comes from the previous step's confidences (DSPARK.md section 4);
+            # the first step has none and uses the early-stopping policy instead.
+            if self._async_budget is None:
+                policy = "dspark"
+            else:
+                options["budget"] = self._async_budget
+            self._async_budget = dspark_budget(confidences, self.sps_curve, base_tokens=base_tokens)
+        lengths = select_verify_lengths(
+            confidences, self.sps_curve or _no_curve, policy, base_tokens=base_tokens, **options
+        )
+        verified = np.minimum(lengths, proposed)
+        for request, keep in zip(drafting, verified):
+            if keep < len(request.spec_token_ids):
+                request.spec_token_ids = request.spec_token_ids[: int(keep)]
+        self.draft_counters.proposed += int(proposed.sum())
+        self.draft_counters.verified += int(verified.sum())
+        self.draft_counters.steps += 1
+        self.recent_decisions.append(
+            VerifyDecision(tuple(r.request_id for r in drafting), proposed, verified, confidences, base_tokens)
+        )
+        self._maybe_log()
+
+    def _confidence_matrix(self, drafting: list[Request], width: int) -> np.ndarray:
+        """[R, K] confidences; a request without them gets zeros (verify nothing), and
+        NaN or out-of-range values are replaced by 0 (documented safe fallback)."""
+        matrix = np.zeros((len(drafting), width))
+        for row, request in enumerate(drafting):
+            conf = self._confidences.pop(request.request_id, None)
+            if conf is None:
+                self.draft_counters.missing_confidences += 1
+                continue
+            matrix[row, : len(conf)] = conf[:width]
+        bad = ~np.isfinite(matrix) | (matrix < 0) | (matrix > 1)
+        if bad.any():
+            self.draft_counters.invalid_confidences += int(bad.sum())
+            logger.warning("vllm_dspark: %d invalid confidences (NaN/out of range) treated as 0", int(bad.sum()))
+            matrix[bad] = 0.0
+        return matrix
+
+    def _non_draft_tokens(self) -> int:
+        """Prefill tokens of running requests that share the pass (the policy counts one
+        token per decoding request itself). New requests' prefill is not known yet."""
+        prefill = sum(
+            r.num_tokens - r.num_computed_tokens for r in self.running if not r.spec_token_ids
+        )
+        return int(min(prefill, self.max_num_scheduled_tokens))
+
+    def _speed_floors(self, drafting: list[Request]) -> np.ndarray:
+        default = self.dspark_options.min_tokens_per_s
+        floors = []
+        for request in drafting:
+            extra = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
+            floors.append(float(extra.get(MIN_TOKENS_PER_S_ARG, default)))
+        return np.array(floors)
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < self.dspark_options.log_interval_s:
+            return
+        self._last_log = now
+        c = self.draft_counters
+        logger.info(
+            "vllm_dspark: %d steps, drafts proposed %d, verified %d, pruned %d (%.1f%%)",
+            c.steps,
+            c.proposed,
+            c.verified,
+            c.pruned,
+            100.0 * c.pruned / max(1, c.proposed),
+        )
+
+    # --------------------------------------------------------- bookkeeping
+    def _free_request(self, request: Request, *args, **kwargs):
+        self._confidences.pop(request.request_id, None)
+        return super()._free_request(request, *args, **kwargs)
+
+
+def _no_curve(batch_tokens: np.ndarray) -> np.ndarray:
+    """Stand-in SPS for policies that ignore the curve (fixed, threshold)."""
+    return np.ones_like(np.asarray(batch_tokens, dtype=np.float64))

@@ -1,0 +1,168 @@
+"""Every change vllm_dspark makes to vLLM 0.32 internals, in one module.
+
+vLLM has no public extension point for a new speculative method, so the plugin adapts
+a few private places (see ../shared/VLLM_NOTES.md for the file:line map). Each patch is
+idempotent and applies in every vLLM process (API server, engine core, workers):
+
+1. `SpeculativeConfig.method` accepts "vllm_dspark" (its Literal is widened).
+2. `SpeculativeConfig.__post_init__` sets the method up as vLLM's DFlash path, then
+   validates the drafter against the target.
+3. `use_dflash()` / `use_eagle()` answer True for "vllm_dspark", which turns on
+   hidden-state capture, the draft KV cache, lookahead slots and the proposer branch.
+4. The V1 runner's `DFlashProposer` name resolves to `DSparkProposer`.
+5. `GPUModelRunner.take_draft_token_ids` attaches the proposer's confidences.
+6. `EngineArgs.create_engine_config` installs the `DSparkScheduler` for this method and
+   validates the plugin options at start-up.
+7. Our draft model class is registered under the architecture name vLLM derives from
+   the checkpoint format's `Qwen3DSparkModel`.
+
+On GPU, vLLM 0.32 treats an unknown parallel-drafting method as unsupported by its V2
+runner and selects the V1 runner by itself, so no patch is needed for that.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Literal, Optional, get_args
+
+logger = logging.getLogger(__name__)
+
+METHOD = "vllm_dspark"
+# vLLM's EAGLE config wrapper renames the checkpoint architecture "Qwen3DSparkModel" to
+# "DFlash" + name; vLLM 0.32 registers no model under that name.
+DRAFT_ARCHITECTURE = "DFlashQwen3DSparkModel"
+SCHEDULER_CLASS = "vllm_dspark.integration.scheduler.DSparkScheduler"
+
+_applied = False
+
+
+def apply() -> None:
+    global _applied
+    if _applied:
+        return
+    _patch_speculative_config()
+    _patch_model_runner()
+    _patch_engine_args()
+    _register_draft_model()
+    _applied = True
+    logger.debug("vllm_dspark patches applied")
+
+
+def _patch_speculative_config() -> None:
+    import pydantic
+    from vllm.config.speculative import SpeculativeConfig
+
+    literal = get_args(SpeculativeConfig.__dataclass_fields__["method"].type)[0]
+    widened = Optional[Literal[(*get_args(literal), METHOD)]]  # noqa: UP045 - runtime type
+    SpeculativeConfig.__annotations__["method"] = widened
+    SpeculativeConfig.__dataclass_fields__["method"].type = widened
+
+    original_post_init = SpeculativeConfig.__post_init__
+
+    @functools.wraps(original_post_init)
+    def __post_init__(self) -> None:
+        if self.method != METHOD:
+            return original_post_init(self)
+        if not self.model:
+            raise ValueError(f"method '{METHOD}' needs 'model': the drafter checkpoint directory")
+        self.method = "dflash"
+        try:
+            original_post_init(self)
+        finally:
+            self.method = METHOD
+        _adapt_draft_config(self)
+
+    original_use_dflash = SpeculativeConfig.use_dflash
+    original_use_eagle = SpeculativeConfig.use_eagle
+    SpeculativeConfig.__post_init__ = __post_init__
+    SpeculativeConfig.use_dflash = lambda self: self.method == METHOD or original_use_dflash(self)
+    SpeculativeConfig.use_eagle = lambda self: self.method == METHOD or original_use_eagle(self)
+    pydantic.dataclasses.rebuild_dataclass(SpeculativeConfig, force=True)
+
+
+def _adapt_draft_config(spec_config) -> None:
+    """Validate the drafter against the target and tell vLLM which layers to capture."""
+    from vllm_dspark.integration.draft_model import drafter_config_from_hf
+
+    hf_config = spec_config.draft_model_config.hf_config
+    drafter = drafter_config_from_hf(hf_config)
+    target = spec_config.target_model_config
+    drafter.check_fits_target(
+        hidden_size=target.get_hidden_size(),
+        vocab_size=target.get_vocab_size(),
+        num_layers=target.get_total_num_hidden_layers(),
+    )
+    k = spec_config.num_speculative_tokens
+    if k is not None and k > drafter.block_size:
+        raise ValueError(
+            f"num_speculative_tokens ({k}) is larger than the drafter's block_size "
+            f"({drafter.block_size}); use at most {drafter.block_size}"
+        )
+    # vLLM counts hidden-state captures after each layer (0 = embeddings); ours are layer
+    # indices with -1 for the embeddings.
+    hf_config.eagle_aux_hidden_state_layer_ids = [i + 1 for i in drafter.target_layer_ids]
+
+
+def _patch_model_runner() -> None:
+    from vllm.v1.worker import gpu_model_runner
+
+    from vllm_dspark.integration.outputs import DraftTokenIdsWithConfidence
+    from vllm_dspark.integration.proposer import DSparkProposer
+
+    gpu_model_runner.DFlashProposer = DSparkProposer
+    runner_cls = gpu_model_runner.GPUModelRunner
+    original_take = runner_cls.take_draft_token_ids
+
+    @functools.wraps(original_take)
+    def take_draft_token_ids(self):
+        drafts = original_take(self)
+        drafter = getattr(self, "drafter", None)
+        if not isinstance(drafter, DSparkProposer) or not drafter.is_dspark:
+            return drafts
+        confidences = drafter.take_confidences()
+        if drafts is None:
+            return None
+        if confidences is not None:
+            confidences = confidences[: len(drafts.req_ids)]
+        return DraftTokenIdsWithConfidence(drafts.req_ids, drafts.draft_token_ids, confidences)
+
+    runner_cls.take_draft_token_ids = take_draft_token_ids
+
+
+def _patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_dspark.config import PluginOptions
+
+    original_create = EngineArgs.create_engine_config
+
+    @functools.wraps(original_create)
+    def create_engine_config(self, *args, **kwargs):
+        config = original_create(self, *args, **kwargs)
+        spec = config.speculative_config
+        if spec is None or spec.method != METHOD:
+            return config
+        options = PluginOptions.from_additional_config(config.additional_config)
+        scheduler_config = config.scheduler_config
+        if scheduler_config.scheduler_cls is None:
+            scheduler_config.scheduler_cls = SCHEDULER_CLASS
+        logger.info(
+            "vllm_dspark: drafter %s, K=%d, verification policy '%s', scheduler %s",
+            spec.model,
+            spec.num_speculative_tokens,
+            options.policy,
+            scheduler_config.scheduler_cls,
+        )
+        return config
+
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _register_draft_model() -> None:
+    from vllm import ModelRegistry
+
+    if DRAFT_ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(
+            DRAFT_ARCHITECTURE, "vllm_dspark.integration.draft_model:VllmDSparkDraftModel"
+        )
