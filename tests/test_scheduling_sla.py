@@ -25,8 +25,10 @@ def reference_sla(c: np.ndarray, sps, floors: np.ndarray, base_tokens: int = 0) 
 
     def evaluate(n: int) -> tuple[float, float]:
         steps = float(sps(base_tokens + num_requests + n))
+        # requests not reached yet count as if their first draft were verified
+        planned = np.where(lengths == 0, 1.0 + a[:, 0], per_step)
         with np.errstate(divide="ignore"):
-            worst = min(float(np.min(per_step / floors * steps)), 1.0)
+            worst = min(float(np.min(planned / floors * steps)), 1.0)
         return per_step.sum() * steps, worst
 
     theta, worst = evaluate(0)
@@ -45,17 +47,35 @@ def reference_sla(c: np.ndarray, sps, floors: np.ndarray, base_tokens: int = 0) 
 
 def test_a_binding_floor_verifies_less_than_dspark() -> None:
     assert select_verify_lengths(C_TWO, TWO, "dspark").tolist() == [1, 0]
-    # Verifying request 0's token slows request 1 to 0.9 tokens/s.
-    plan = plan_sla(C_TWO, TWO, 0.95)
+    # Verifying request 0's token slows request 1 to 1.1 * 0.9 < 1 (as planned: its own
+    # first draft counted) and to 0.9 in fact.
+    plan = plan_sla(C_TWO, TWO, 1.0)
     assert plan.lengths.tolist() == [0, 0]
     assert plan.feasible and plan.tokens_per_s.tolist() == [1.0, 1.0]
     assert plan_sla(C_TWO, TWO, 0.85).lengths.tolist() == [1, 0]
 
 
+def test_a_request_the_scan_never_reaches_is_reported_when_it_misses_its_floor() -> None:
+    # Planned with its first draft (1.1 * 0.9 = 0.99 >= 0.95) but that draft is not worth
+    # verifying, so request 1 actually runs at 0.9.
+    plan = plan_sla(C_TWO, TWO, 0.95)
+    assert plan.lengths.tolist() == [1, 0]
+    assert plan.floor_met.tolist() == [True, False] and not plan.feasible
+
+
+def test_unreached_requests_do_not_stop_the_scan_early() -> None:
+    # Four requests at SPS(4) = 10.4 with a 10 tokens/s floor: a request with no verified
+    # draft drops below 10 as soon as B > 5, but one verified draft each (1.8 * 8.9) meets
+    # it easily; the scan must not stop after the first candidate.
+    cpu = SpsCurve(points=[(1, 1000 / 84), (2, 1000 / 91), (4, 1000 / 96), (8, 1000 / 112)])
+    plan = plan_sla(np.full((4, 1), 0.8), cpu, 10.0)
+    assert plan.lengths.tolist() == [1, 1, 1, 1] and plan.feasible
+
+
 def test_per_request_floors() -> None:
-    assert plan_sla(C_TWO, TWO, np.array([0.0, 0.95])).lengths.tolist() == [0, 0]
-    assert plan_sla(C_TWO, TWO, np.array([0.95, 0.0])).lengths.tolist() == [1, 0]
-    assert select_verify_lengths(C_TWO, TWO, "sla", min_tokens_per_s=[0.95, 0.0]).tolist() == [1, 0]
+    assert plan_sla(C_TWO, TWO, np.array([0.0, 1.0])).lengths.tolist() == [0, 0]
+    assert plan_sla(C_TWO, TWO, np.array([1.0, 0.0])).lengths.tolist() == [1, 0]
+    assert select_verify_lengths(C_TWO, TWO, "sla", min_tokens_per_s=[1.0, 0.0]).tolist() == [1, 0]
 
 
 def test_an_unreachable_floor_is_reported_and_throughput_still_maximised() -> None:

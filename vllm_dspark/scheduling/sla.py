@@ -12,7 +12,14 @@ draft token j of request r is verified never depends on c[r, j+1], which reads t
 A search that looked ahead and picked the best prefix afterwards would not have this
 property (DSPARK.md section 4).
 
-Stopping test, with rho(n) = min_r v_r(n) / floor_r the worst user's floor ratio:
+Stopping test, with rho(n) = min_r v_r(n) / floor_r the worst user's floor ratio, where a
+request the scan has not reached yet is counted as if its first draft were verified
+(v_r uses 1 + a[r, 1]). Without that, every request ahead of its first candidate would
+look slower with each candidate verified for the others, and a floor that verifying one
+token for everybody easily meets would stop the scan after a few candidates. Reading
+a[r, 1] = c[r, 1] is allowed: it depends only on the committed anchor token, never on a
+draft token of r. The report (`SlaPlan`) uses the actual lengths, so a request the scan
+never reached shows up there as missing its floor if it does.
 - while the floors hold (rho >= 1), a candidate is taken if throughput strictly rises and
   the floors still hold afterwards: greedy throughput under the constraint;
 - while they do not hold, a candidate is taken if it strictly raises throughput or strictly
@@ -89,16 +96,19 @@ def plan_sla(
     per_step[1:] += 1.0
     with np.errstate(divide="ignore"):
         inv_floor = 1.0 / floors  # a floor of 0 never binds: inf ratio
-    # Worst ratio min_r per_step_r(n) / floor_r for every prefix n, without an [N, R] array:
+    # What the scan assumes: a request not reached yet counts as if its first draft were in.
+    planned = per_step.copy()
+    planned[0] = per_step[1]
+    # Worst ratio min_r planned_r(n) / floor_r for every prefix n, without an [N, R] array:
     # a request's ratio only grows along the scan, so its value before candidate p (the one
     # that raises it) is the last one it holds at time p, and the minimum over requests at
     # time n is a suffix minimum over those "last held" values plus the final levels.
     held = np.empty(count + 1)
     request = ranking.requests()
-    held[:count] = per_step[ranking.positions() - 1, request] * inv_floor[request]
+    held[:count] = planned[ranking.positions() - 1, request] * inv_floor[request]
     requests = np.arange(num_requests)
     final_level = np.count_nonzero(ranking.table, axis=0)
-    held[count] = (per_step[final_level, requests] * inv_floor).min()
+    held[count] = (planned[final_level, requests] * inv_floor).min()
     worst = np.minimum.accumulate(held[::-1])[::-1] * steps
 
     capped = np.minimum(worst, 1.0)
@@ -111,5 +121,5 @@ def plan_sla(
     chosen = stopping_point(improves)
     lengths = lengths_of_prefix(ranking, chosen)
     tokens = per_step[lengths, requests]
-    met = tokens * inv_floor * steps[chosen] >= 1.0  # same arithmetic as `worst`
+    met = tokens * inv_floor * steps[chosen] >= 1.0
     return SlaPlan(lengths, tokens * steps[chosen], met, float(theta[chosen]))
