@@ -15,6 +15,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_dspark.serve",
     "vllm_dspark.model.init_drafter",
     "vllm_dspark.targets.cli",
+    "vllm_dspark.training.data",
 )
 
 
