@@ -238,7 +238,7 @@ def sequential_head_triton(
     conf_temps: Optional[torch.Tensor] = None,
     return_probs: bool = False,
     block_r: int = 16,
-    block_v: int = 128,
+    block_v: Optional[int] = None,
     num_splits: Optional[int] = None,
     out: Optional[DraftOutput] = None,
 ) -> DraftOutput:
@@ -281,6 +281,9 @@ def sequential_head_triton(
     else:
         hid, s_hr, s_hk = 0, 0, 0
         h_arg = cw_arg = ct_arg = token_probs  # never read
+    r_pad = max(16, triton.next_power_of_2(rank))
+    if block_v is None:  # a W2 tile of at most 64 KiB
+        block_v = min(128, max(16, 65536 // (r_pad * w2.element_size())))
     row_tiles = triton.cdiv(num_req, block_r)
     if num_splits is None:
         # Enough programs to fill the GPU about twice; W2 is then read once per row tile.
@@ -299,7 +302,7 @@ def sequential_head_triton(
             step, num_req, k_steps, vocab, rank, hid, split_len, num_splits,
             base_logits.stride(0), base_logits.stride(1), w1.stride(0), w2.stride(0), s_hr, s_hk,
             probs.stride(0) if return_probs else 0, probs.stride(1) if return_probs else 0,
-            BLOCK_R=block_r, BLOCK_V=block_v, R_PAD=max(16, triton.next_power_of_2(rank)),
+            BLOCK_R=block_r, BLOCK_V=block_v, R_PAD=r_pad,
             BLOCK_D=min(256, triton.next_power_of_2(max(hid, 16))),
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HAS_CONF=has_conf, CONF_MARKOV=has_conf and conf_weight.shape[0] > hid,

@@ -194,7 +194,7 @@ def verify_attention_triton(
     tree_parents: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     max_q: Optional[int] = None,
-    block_n: int = 64,
+    block_n: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton path. Pass `max_q` (longest request) to avoid a device-to-host sync, and
@@ -211,6 +211,9 @@ def verify_attention_triton(
     if num_req == 0 or max_q == 0:
         return out
     block_m = min(64, max(16, triton.next_power_of_2(max_q * group)))
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    if block_n is None:  # keeps fp32 at head size 256 within the SM's shared memory
+        block_n = 64 if d_pad * q.element_size() <= 512 else 32
     grid = (num_req, num_kv_heads, triton.cdiv(max_q * group, block_m))
     for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.stride(-1) != 1:
@@ -223,7 +226,7 @@ def verify_attention_triton(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad,
         IS_TREE=tree_parents is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
