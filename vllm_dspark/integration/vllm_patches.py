@@ -45,6 +45,7 @@ def apply() -> None:
     _patch_model_runner()
     _patch_engine_args()
     _register_draft_model()
+    _share_vllm_log_handlers()
     _applied = True
     logger.debug("vllm_dspark patches applied")
 
@@ -166,3 +167,14 @@ def _register_draft_model() -> None:
         ModelRegistry.register_model(
             DRAFT_ARCHITECTURE, "vllm_dspark.integration.draft_model:VllmDSparkDraftModel"
         )
+
+
+def _share_vllm_log_handlers() -> None:
+    """Plugin log lines (what the scheduler decided, counters) go where vLLM's go."""
+    vllm_logger = logging.getLogger("vllm")
+    plugin_logger = logging.getLogger("vllm_dspark")
+    if vllm_logger.handlers and not plugin_logger.handlers:
+        for handler in vllm_logger.handlers:
+            plugin_logger.addHandler(handler)
+        plugin_logger.setLevel(vllm_logger.level or logging.INFO)
+        plugin_logger.propagate = False
