@@ -32,6 +32,8 @@ def _validate(q, k_new, v_new, key_cache, value_cache, block_table, context_lens
         raise ValueError("k_new/v_new must be [total_q, num_kv_heads, head_dim]")
     if key_cache.shape[3] != head_dim or value_cache.shape != key_cache.shape:
         raise ValueError("key/value caches must be [num_blocks, block_size, num_kv_heads, head_dim]")
+    if len({t.dtype for t in (q, k_new, v_new, key_cache, value_cache)}) != 1:
+        raise ValueError("q, k_new, v_new and the caches must share one dtype")
     num_req = cu_seqlens_q.shape[0] - 1
     if block_table.shape[0] != num_req or context_lens.shape != (num_req,):
         raise ValueError("block_table and context_lens need one row per request")

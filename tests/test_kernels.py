@@ -7,7 +7,6 @@ process instead. References run in float64; kernel outputs are poisoned before e
 launch so an element the kernel forgets to write fails the comparison.
 """
 
-import os
 import subprocess
 import sys
 
