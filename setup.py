@@ -32,6 +32,9 @@ setup(
     },
     entry_points={
         "vllm.general_plugins": ["vllm_dspark = vllm_dspark:register"],
+        "vllm.stat_logger_plugins": [
+            "vllm_dspark = vllm_dspark.integration.metrics:DSparkMetricsLogger"
+        ],
         "console_scripts": ["vllm-dspark = vllm_dspark.cli:main"],
     },
 )

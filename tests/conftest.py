@@ -27,12 +27,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tests.tiny_models import build_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 4-layer Llama target (vocab 512) without a tokenizer."""
+    from tests.tiny_models import build_tiny_llama
+
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_target"))
 
 

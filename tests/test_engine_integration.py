@@ -77,10 +77,42 @@ def test_per_request_lengths_and_counters(tiny_target, fitted_drafter, baseline)
         if kept and dropped:
             assert min(kept) >= max(dropped) - 1e-9
     counters = spec_counters(llm)
-    counted = scheduler.draft_counters
-    assert counted.verified < counted.proposed, "the policy should prune some drafts here"
+    stats = scheduler.dspark_stats
+    assert stats.verified < stats.proposed, "the policy should prune some drafts here"
     # vLLM's own counter sees the verified drafts, not the proposed ones.
-    assert counters["num_draft_tokens"] == counted.verified
+    assert counters["num_draft_tokens"] == stats.verified
+    # The plugin's acceptance feedback agrees with vLLM's, and its prediction is finite.
+    assert stats.accepted == counters["num_accepted_tokens"]
+    assert 0 < stats.predicted_accepted < stats.verified
+    assert sum(stats.verified_length_counts) == stats.verified_requests
+
+
+def test_metrics_snapshot_reaches_prometheus_families(tiny_target, fitted_drafter, tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vllm_dspark.integration.metrics import METRICS_FILE_KEY, DSparkMetricsLogger, DSparkStats
+
+    metrics_file = str(tmp_path / "snapshot.json")
+    options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}, METRICS_FILE_KEY: metrics_file}
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
+    generate_ids(llm, PROMPTS, MAX_TOKENS)
+    scheduler = engine_scheduler(llm)
+    scheduler.dspark_stats.write(metrics_file)  # the engine writes it at most once a second
+    assert DSparkStats.read(metrics_file) == scheduler.dspark_stats
+
+    class Config:
+        additional_config = {METRICS_FILE_KEY: metrics_file}
+
+    registry = CollectorRegistry()
+    from unittest import mock
+
+    with mock.patch("vllm.v1.metrics.prometheus.get_prometheus_registry", return_value=registry):
+        DSparkMetricsLogger(Config())
+    text = generate_latest(registry).decode()
+    stats = scheduler.dspark_stats
+    assert f'vllm_dspark_verified_draft_tokens_total{{policy="dspark"}} {float(stats.verified)}' in text
+    assert f'vllm_dspark_pruned_draft_tokens_total{{policy="dspark"}} {float(stats.pruned)}' in text
+    assert 'vllm_dspark_verification_budget_bucket{le="+Inf",policy="dspark"}' in text
 
 
 def test_sampling_with_draft_probabilities_runs(tiny_target, fitted_drafter):

@@ -15,14 +15,16 @@ from dataclasses import dataclass
 import numpy as np
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import DraftTokenIds
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 
 from vllm_dspark.config import PluginOptions
+from vllm_dspark.integration.metrics import METRICS_FILE_KEY, DSparkStats
 from vllm_dspark.scheduling import dspark_budget, select_verify_lengths
 
 logger = logging.getLogger(__name__)
 
+_SNAPSHOT_INTERVAL_S = 1.0
 # Per-request SLA floor a client can ask for: SamplingParams(extra_args={...}).
 MIN_TOKENS_PER_S_ARG = "dspark_min_tokens_per_s"
 
@@ -38,29 +40,19 @@ class VerifyDecision:
     base_tokens: int
 
 
-@dataclass
-class DraftCounters:
-    proposed: int = 0
-    verified: int = 0
-    steps: int = 0
-    missing_confidences: int = 0
-    invalid_confidences: int = 0
-
-    @property
-    def pruned(self) -> int:
-        return self.proposed - self.verified
-
-
 class DSparkScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.dspark_options = PluginOptions.from_additional_config(self.vllm_config.additional_config)
         self.sps_curve = self.dspark_options.sps_curve()
-        self.draft_counters = DraftCounters()
+        self.dspark_stats = DSparkStats(policy=str(self.dspark_options.policy))
         self.recent_decisions: deque[VerifyDecision] = deque(maxlen=4096)
         self._confidences: dict[str, np.ndarray] = {}
+        # Per request verified this step: (drafts verified, predicted accepted drafts).
+        self._predictions: dict[str, tuple[int, float]] = {}
         self._async_budget: int | None = None
-        self._last_log = time.monotonic()
+        self._metrics_file = (self.vllm_config.additional_config or {}).get(METRICS_FILE_KEY)
+        self._last_log = self._last_snapshot = time.monotonic()
         logger.info(
             "vllm_dspark scheduler: policy=%s%s",
             self.dspark_options.policy,
@@ -111,16 +103,15 @@ class DSparkScheduler(Scheduler):
             confidences, self.sps_curve or _no_curve, policy, base_tokens=base_tokens, **options
         )
         verified = np.minimum(lengths, proposed)
-        for request, keep in zip(drafting, verified):
+        survival = np.cumprod(confidences, axis=1)
+        for row, (request, keep) in enumerate(zip(drafting, verified)):
             if keep < len(request.spec_token_ids):
                 request.spec_token_ids = request.spec_token_ids[: int(keep)]
-        self.draft_counters.proposed += int(proposed.sum())
-        self.draft_counters.verified += int(verified.sum())
-        self.draft_counters.steps += 1
+            self._predictions[request.request_id] = (int(keep), float(survival[row, :keep].sum()))
+        self.dspark_stats.record_decision(proposed, verified)
         self.recent_decisions.append(
             VerifyDecision(tuple(r.request_id for r in drafting), proposed, verified, confidences, base_tokens)
         )
-        self._maybe_log()
 
     def _confidence_matrix(self, drafting: list[Request], width: int) -> np.ndarray:
         """[R, K] confidences; a request without them gets zeros (verify nothing), and
@@ -129,12 +120,12 @@ class DSparkScheduler(Scheduler):
         for row, request in enumerate(drafting):
             conf = self._confidences.pop(request.request_id, None)
             if conf is None:
-                self.draft_counters.missing_confidences += 1
+                self.dspark_stats.missing_confidences += 1
                 continue
             matrix[row, : len(conf)] = conf[:width]
         bad = ~np.isfinite(matrix) | (matrix < 0) | (matrix > 1)
         if bad.any():
-            self.draft_counters.invalid_confidences += int(bad.sum())
+            self.dspark_stats.invalid_confidences += int(bad.sum())
             logger.warning("vllm_dspark: %d invalid confidences (NaN/out of range) treated as 0", int(bad.sum()))
             matrix[bad] = 0.0
         return matrix
@@ -155,20 +146,37 @@ class DSparkScheduler(Scheduler):
             floors.append(float(extra.get(MIN_TOKENS_PER_S_ARG, default)))
         return np.array(floors)
 
-    def _maybe_log(self) -> None:
-        now = time.monotonic()
-        if now - self._last_log < self.dspark_options.log_interval_s:
+    # ------------------------------------------------------ feedback out
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput):
+        # Read the sampled tokens first: the parent trims them in place at stop conditions.
+        self._record_acceptance(model_runner_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._publish()
+        return outputs
+
+    def _record_acceptance(self, model_runner_output: ModelRunnerOutput) -> None:
+        """Observed accepted drafts against the confidences' prediction (live calibration)."""
+        if not self._predictions:
             return
-        self._last_log = now
-        c = self.draft_counters
-        logger.info(
-            "vllm_dspark: %d steps, drafts proposed %d, verified %d, pruned %d (%.1f%%)",
-            c.steps,
-            c.proposed,
-            c.verified,
-            c.pruned,
-            100.0 * c.pruned / max(1, c.proposed),
-        )
+        index = model_runner_output.req_id_to_index
+        sampled = model_runner_output.sampled_token_ids
+        for req_id, (verified, predicted) in self._predictions.items():
+            row = index.get(req_id)
+            if row is None or row >= len(sampled) or not verified:
+                continue
+            # The target emits the accepted drafts plus one token of its own.
+            self.dspark_stats.accepted += min(verified, max(0, len(sampled[row]) - 1))
+            self.dspark_stats.predicted_accepted += predicted
+        self._predictions.clear()
+
+    def _publish(self) -> None:
+        now = time.monotonic()
+        if self._metrics_file is not None and now - self._last_snapshot >= _SNAPSHOT_INTERVAL_S:
+            self._last_snapshot = now
+            self.dspark_stats.write(self._metrics_file)
+        if now - self._last_log >= self.dspark_options.log_interval_s:
+            self._last_log = now
+            logger.info("vllm_dspark: %s", self.dspark_stats.summary())
 
     # --------------------------------------------------------- bookkeeping
     def _free_request(self, request: Request, *args, **kwargs):

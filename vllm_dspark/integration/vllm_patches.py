@@ -11,8 +11,8 @@ idempotent and applies in every vLLM process (API server, engine core, workers):
    hidden-state capture, the draft KV cache, lookahead slots and the proposer branch.
 4. The V1 runner's `DFlashProposer` name resolves to `DSparkProposer`.
 5. `GPUModelRunner.take_draft_token_ids` attaches the proposer's confidences.
-6. `EngineArgs.create_engine_config` installs the `DSparkScheduler` for this method and
-   validates the plugin options at start-up.
+6. `EngineArgs.create_engine_config` installs the `DSparkScheduler` for this method,
+   validates the plugin options at start-up and names the metrics snapshot file.
 7. Our draft model class is registered under the architecture name vLLM derives from
    the checkpoint format's `Qwen3DSparkModel`.
 
@@ -135,6 +135,7 @@ def _patch_engine_args() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_dspark.config import PluginOptions
+    from vllm_dspark.integration.metrics import METRICS_FILE_KEY, new_metrics_file
 
     original_create = EngineArgs.create_engine_config
 
@@ -145,6 +146,7 @@ def _patch_engine_args() -> None:
         if spec is None or spec.method != METHOD:
             return config
         options = PluginOptions.from_additional_config(config.additional_config)
+        config.additional_config.setdefault(METRICS_FILE_KEY, new_metrics_file())
         scheduler_config = config.scheduler_config
         if scheduler_config.scheduler_cls is None:
             scheduler_config.scheduler_cls = SCHEDULER_CLASS
