@@ -14,8 +14,13 @@ import sys
 COMMAND_MODULES: tuple[str, ...] = (
     "vllm_dspark.serve",
     "vllm_dspark.model.init_drafter",
+    "vllm_dspark.engine_profile",
     "vllm_dspark.targets.cli",
     "vllm_dspark.training.data",
+    "vllm_dspark.training.features",
+    "vllm_dspark.training.train",
+    "vllm_dspark.training.calibrate",
+    "vllm_dspark.evaluation.cli",
 )
 
 

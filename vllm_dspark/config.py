@@ -147,6 +147,9 @@ class DrafterConfig(BaseModel):
             raise ConfigError("drafter does not match the target: " + "; ".join(problems))
 
 
+# `sps_profile: "auto"`: the profile cached by `vllm-dspark profile --cache` for this
+# model, dtype, hardware and vLLM version.
+AUTO_PROFILE = "auto"
 VerifyPolicyName = Literal["fixed", "threshold", "dspark", "dspark_async", "sla"]
 
 
@@ -184,12 +187,13 @@ class PluginOptions(BaseModel):
             )
         if self.sps_table is not None and self.sps_profile is not None:
             raise ValueError("give either 'sps_table' or 'sps_profile', not both")
-        if has_curve:
+        if has_curve and self.sps_profile != AUTO_PROFILE:
             self.sps_curve()  # fail at start-up, naming the table or file
         return self
 
     def sps_curve(self) -> "SpsCurve | None":
-        """The engine throughput curve SPS(B), or None when no policy needs it."""
+        """The engine throughput curve SPS(B) from the table or file (not for "auto",
+        which the scheduler resolves from the engine's profile cache key)."""
         from vllm_dspark.scheduling.sps import SpsCurve
 
         if self.sps_profile is not None:

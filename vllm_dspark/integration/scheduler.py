@@ -18,9 +18,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 
-from vllm_dspark.config import PluginOptions
+from vllm_dspark.config import AUTO_PROFILE, PluginOptions
+from vllm_dspark.engine_profile import cached_profile_path, profile_key
 from vllm_dspark.integration.metrics import METRICS_FILE_KEY, DSparkStats
-from vllm_dspark.scheduling import dspark_budget, select_verify_lengths
+from vllm_dspark.scheduling import SpsCurve, dspark_budget, select_verify_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class DSparkScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.dspark_options = PluginOptions.from_additional_config(self.vllm_config.additional_config)
-        self.sps_curve = self.dspark_options.sps_curve()
+        self.sps_curve = self._load_sps_curve()
         self.dspark_stats = DSparkStats(policy=str(self.dspark_options.policy))
         self.recent_decisions: deque[VerifyDecision] = deque(maxlen=4096)
         self._confidences: dict[str, np.ndarray] = {}
@@ -58,6 +59,26 @@ class DSparkScheduler(Scheduler):
             self.dspark_options.policy,
             "" if self.sps_curve is None else f", SPS curve with {len(self.sps_curve.points)} points",
         )
+
+    def _load_sps_curve(self) -> SpsCurve | None:
+        options = self.dspark_options
+        if options.sps_profile != AUTO_PROFILE:
+            return options.sps_curve()
+        model = self.vllm_config.model_config
+        key = profile_key(model.model, str(model.dtype).removeprefix("torch."))
+        path = cached_profile_path(key)
+        if path.is_file():
+            logger.info("vllm_dspark: SPS profile for this engine from %s", path)
+            return SpsCurve.load(path)
+        logger.warning(
+            "vllm_dspark: no cached SPS profile for %s (looked for %s); verifying with the "
+            "'fixed' policy until one exists: run `vllm-dspark profile --model %s --out FILE --cache`",
+            key,
+            path,
+            model.model,
+        )
+        options.policy = "fixed"
+        return None
 
     # ----------------------------------------------------------- drafts in
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:

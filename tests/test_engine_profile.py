@@ -1,0 +1,59 @@
+"""`vllm-dspark profile`: a real SPS(B) curve from engine steps, and its use by the plugin."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.tiny_models import engine_scheduler, make_drafter, make_llm
+from vllm_dspark.engine_profile import cached_profile_path, plot_curve, profile_engine, profile_key
+from vllm_dspark.scheduling import SpsCurve
+
+
+@pytest.fixture(scope="module")
+def tiny_curve(tiny_target) -> SpsCurve:
+    return profile_engine(
+        str(tiny_target), [1, 2, 4], context_len=24, steps=3, skip_tokenizer_init=True, distributed_executor_backend="uni"
+    )
+
+
+def test_profile_measures_every_batch_size(tiny_curve: SpsCurve, tiny_target, tmp_path):
+    assert [b for b, _ in tiny_curve.points] == [1, 2, 4]
+    assert all(sps > 0 for _, sps in tiny_curve.points)
+    assert tiny_curve.metadata["model"] == str(tiny_target.resolve())
+    assert {"dtype", "hardware", "vllm_version", "context_len"} <= tiny_curve.metadata.keys()
+    out = tmp_path / "curve.json"
+    tiny_curve.save(out)
+    assert SpsCurve.load(out) == tiny_curve
+    plot_curve(tiny_curve, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_profile_file_validation(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"points": [[4, 1.0], [2, 2.0]]}))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        SpsCurve.load(bad)
+    bad.write_text("[1, 2")
+    with pytest.raises(ValueError, match="not a valid SPS profile"):
+        SpsCurve.load(bad)
+
+
+def test_auto_profile_is_used_or_falls_back(tiny_target, tiny_curve, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_DSPARK_CACHE", str(tmp_path / "cache"))
+    drafter = make_drafter(tiny_target, tmp_path / "drafter")
+    spec = {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": 4}
+    options = {"vllm_dspark": {"policy": "dspark", "sps_profile": "auto"}}
+
+    llm = make_llm(tiny_target, spec, options)
+    scheduler = engine_scheduler(llm)
+    assert scheduler.sps_curve is None and scheduler.dspark_options.policy == "fixed"
+    del llm, scheduler
+
+    cached = cached_profile_path(profile_key(str(tiny_target), "float32"))
+    cached.parent.mkdir(parents=True)
+    tiny_curve.save(cached)
+    llm = make_llm(tiny_target, spec, options)
+    scheduler = engine_scheduler(llm)
+    assert scheduler.sps_curve == tiny_curve and scheduler.dspark_options.policy == "dspark"

@@ -1,0 +1,167 @@
+"""`vllm-dspark profile`: measure the engine throughput curve SPS(B) with real forward passes.
+
+For each batch size B, B requests with a realistic context length are prefilled, then
+the engine's decode steps (one pass carrying B tokens) are timed; SPS(B) = 1 / median
+step time. The result is an `SpsCurve` (JSON) plus a plot, and can be stored in the
+profile cache, keyed by model, dtype, hardware and vLLM version, where the plugin finds
+it with `"sps_profile": "auto"`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from vllm_dspark.scheduling.sps import SpsCurve
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def hardware_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    return f"{platform.machine()} x{os.cpu_count()}"
+
+
+def profile_key(model: str, dtype: str) -> dict[str, str]:
+    from vllm_dspark.serve import installed_vllm_version
+
+    return {
+        "model": str(Path(model).resolve()) if Path(model).exists() else model,
+        "dtype": dtype,
+        "hardware": hardware_name(),
+        "vllm_version": installed_vllm_version(),
+    }
+
+
+def cached_profile_path(key: dict[str, str]) -> Path:
+    """Where the plugin looks for a profile of this engine (`"sps_profile": "auto"`)."""
+    cache = Path(os.environ.get("VLLM_DSPARK_CACHE", Path.home() / ".cache" / "vllm-dspark"))
+    digest = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:16]
+    return cache / "profiles" / f"sps-{digest}.json"
+
+
+def time_decode_steps(llm, batch: int, context_len: int, steps: int, vocab_size: int, seed: int) -> list[float]:
+    """Seconds of each of `steps` decode passes with `batch` running requests."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True, detokenize=False)
+    ids = [f"profile-{batch}-{i}" for i in range(batch)]
+    for request_id in ids:
+        prompt = TokensPrompt(prompt_token_ids=rng.integers(10, vocab_size, context_len).tolist())
+        engine.add_request(request_id, prompt, params)
+    started: set[str] = set()
+    while len(started) < batch:  # prefill (possibly chunked) until every request decodes
+        started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
+    timings = []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        engine.step()
+        timings.append(time.perf_counter() - begin)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return timings
+
+
+def profile_engine(
+    model: str,
+    batch_tokens: list[int],
+    context_len: int = 256,
+    steps: int = 8,
+    dtype: str = "float32",
+    seed: int = 0,
+    **engine_kwargs,
+) -> SpsCurve:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # step() in this process
+    from vllm import LLM
+
+    max_batch = max(batch_tokens)
+    llm = LLM(
+        model=model,
+        dtype=dtype,
+        enforce_eager=engine_kwargs.pop("enforce_eager", True),
+        max_num_seqs=max_batch,
+        max_model_len=context_len + steps + 16,
+        enable_prefix_caching=False,
+        seed=seed,
+        **engine_kwargs,
+    )
+    vocab_size = llm.llm_engine.model_config.get_vocab_size()
+    points = []
+    for batch in tqdm(sorted(batch_tokens), desc="profile SPS(B)", unit="batch"):
+        median = statistics.median(time_decode_steps(llm, batch, context_len, steps, vocab_size, seed))
+        points.append((batch, 1.0 / median))
+        logger.info("B=%d: %.1f ms per step, %.2f steps/s", batch, 1000 * median, 1.0 / median)
+    metadata = profile_key(model, dtype) | {"context_len": str(context_len), "steps": str(steps)}
+    return SpsCurve(points=points, metadata=metadata)
+
+
+def plot_curve(curve: SpsCurve, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batch = [b for b, _ in curve.points]
+    sps = [s for _, s in curve.points]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(batch, [1000.0 / s for s in sps], "o-")
+    left.set(xscale="log", xlabel="tokens per pass B", ylabel="ms per step", title="step time")
+    right.plot(batch, [b * s for b, s in zip(batch, sps)], "o-")
+    right.set(xscale="log", xlabel="tokens per pass B", ylabel="tokens/s (B x SPS)", title="token throughput")
+    fig.suptitle(f"{Path(curve.metadata.get('model', '?')).name} on {curve.metadata.get('hardware', '?')}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def _run(args: argparse.Namespace) -> int:
+    curve = profile_engine(args.model, args.batch_tokens, args.context_len, args.steps, args.dtype)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    curve.save(out)
+    plot_curve(curve, out.with_suffix(".png"))
+    if args.cache:
+        cached = cached_profile_path(profile_key(args.model, args.dtype))
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        curve.save(cached)
+        print(f"cached for \"sps_profile\": \"auto\": {cached}")
+    for batch, sps in curve.points:
+        print(f"B={batch:5d}  {1000.0 / sps:8.1f} ms/step  {sps:7.2f} steps/s")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("profile", help="measure the engine throughput curve SPS(B)")
+    parser.add_argument("--model", required=True, help="target model (the one being served)")
+    parser.add_argument("--out", required=True, help="output JSON (a PNG plot is written next to it)")
+    parser.add_argument("--batch-tokens", type=int, nargs="+", default=list(DEFAULT_BATCH_TOKENS))
+    parser.add_argument("--context-len", type=int, default=256, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--cache", action="store_true", help="also store it where sps_profile=auto looks")
+    parser.set_defaults(func=_run)
