@@ -16,7 +16,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_dspark.model.heads import sequential_draft
+from vllm_dspark.kernels import dispatch
+from vllm_dspark.model.heads import DraftOutput, MarkovHead, sequential_draft
 
 METHOD = "vllm_dspark"
 # vLLM marks greedy requests with a temperature below this value.
@@ -78,15 +79,14 @@ class DSparkProposer(DFlashProposer):
         if not sampling_metadata.all_greedy and sampling_metadata.temperature is not None:
             temps = sampling_metadata.temperature[:batch].float()
             temperature = torch.where(temps < _GREEDY_EPS, torch.zeros_like(temps), temps)
-        out = sequential_draft(
-            model.markov_head,
-            model.confidence_head,
-            model.confidence_temperatures,
-            base_logits,
-            hidden_states.view(batch, k, -1),
-            self._anchors[:batch],
-            temperature,
-        )
+        hidden = hidden_states.view(batch, k, -1)
+        anchors = self._anchors[:batch]
+        if fused_head_applies(model):
+            out = fused_sequential_draft(model, base_logits, hidden, anchors, temperature)
+        else:
+            out = sequential_draft(
+                model.markov_head, model.confidence_head, model.confidence_temperatures, base_logits, hidden, anchors, temperature
+            )
         self._confidences = out.confidences.float().cpu().tolist()
         probs = None if out.probs is None else out.probs.reshape(batch * k, -1)
         return out.tokens.reshape(-1), probs
@@ -95,3 +95,38 @@ class DSparkProposer(DFlashProposer):
         """Confidences of the last proposal, handed over once (then None until the next)."""
         confidences, self._confidences = self._confidences, None
         return confidences
+
+
+def fused_head_applies(model) -> bool:
+    """The fused Triton head covers the vanilla Markov head with a confidence head, on
+    CUDA; everything else (and `VLLM_DSPARK_FORCE_REFERENCE=1`) runs the PyTorch loop."""
+    return (
+        dispatch.triton_kernels_enabled()
+        and type(model.markov_head) is MarkovHead
+        and model.confidence_head is not None
+    )
+
+
+def fused_sequential_draft(
+    model, base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor | None
+) -> DraftOutput:
+    """The sequential stage in one fused kernel (kernels/sequential_head.py)."""
+    batch = base_logits.shape[0]
+    temps = torch.zeros(batch, device=base_logits.device) if temperature is None else temperature
+    # The kernel's sampler is keyed by (seed, step, token); fresh seeds every round.
+    seeds = torch.randint(0, 2**31 - 1, (batch,), device=base_logits.device)
+    proj = model.confidence_head.proj
+    fused = dispatch.sequential_head(
+        base_logits,
+        anchors,
+        model.markov_head.markov_w1.weight,
+        model.markov_head.markov_w2.weight,
+        temps,
+        seeds,
+        hidden=hidden,
+        conf_weight=proj.weight.view(-1),
+        conf_bias=float(proj.bias),
+        conf_temps=model.confidence_temperatures,
+        return_probs=temperature is not None,
+    )
+    return DraftOutput(tokens=fused.tokens, probs=fused.probs, confidences=fused.confidence)
