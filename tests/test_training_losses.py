@@ -1,0 +1,144 @@
+"""Losses, block packing, anchors, learning-rate schedule and STS on small hand-made cases."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import make_drafter
+from vllm_dspark.model.drafter import DSparkDrafter, block_mask
+from vllm_dspark.training.blocks import choose_anchors, valid_anchors
+from vllm_dspark.training.calibrate import (
+    ece_per_position,
+    expected_calibration_error,
+    sequential_temperature_scaling,
+)
+from vllm_dspark.training.losses import (
+    acceptance_label,
+    dspark_losses,
+    position_weights,
+    total_variation_l1,
+)
+from vllm_dspark.training.train import RunSettings, lr_at
+
+
+def test_position_weights() -> None:
+    w = position_weights(4)
+    assert torch.allclose(w, torch.tensor([1.0, math.exp(-0.25), math.exp(-0.5), math.exp(-0.75)]))
+
+
+def test_tv_and_acceptance_label_by_hand() -> None:
+    p_d = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    p_t = torch.tensor([[0.7, 0.3, 0.0], [0.2, 0.3, 0.5]])
+    tv = total_variation_l1(p_d, p_t)
+    assert torch.allclose(tv, torch.tensor([0.4, 0.0]))
+    # Rejection sampling accepts with sum_v min(p_d, p_t) = 0.5 * 0.7 ... = 0.8 here.
+    assert torch.allclose(acceptance_label(tv), torch.tensor([0.8, 1.0]))
+
+
+def test_dspark_losses_by_hand() -> None:
+    # One block, two positions, vocabulary of 2: p_d = (0.5, 0.5) then (0.8, 0.2).
+    logits = torch.tensor([[[0.0, 0.0], [math.log(4.0), 0.0]]], requires_grad=True)
+    p_t = torch.tensor([[[0.7, 0.3], [0.8, 0.2]]])
+    targets = torch.tensor([[1, 0]])
+    conf = torch.tensor([[0.0, 2.0]], requires_grad=True)
+    out = dspark_losses(logits, p_t, targets, conf, torch.ones(1))
+    w = torch.tensor([1.0, math.exp(-0.5)])
+    ce = torch.tensor([-math.log(0.5), -math.log(0.8)])
+    tv = torch.tensor([0.4, 0.0])
+    label = torch.tensor([0.8, 1.0])
+    p_conf = torch.sigmoid(torch.tensor([0.0, 2.0]))
+    bce = -(label * p_conf.log() + (1 - label) * (1 - p_conf).log())
+    expect = {"ce": ce, "tv": tv, "conf": bce}
+    for name, values in expect.items():
+        assert out[name].item() == pytest.approx(float((w * values).sum() / w.sum()), abs=1e-5), name
+    total = 0.1 * out["ce"] + 0.9 * out["tv"] + 1.0 * out["conf"]
+    assert out["total"].item() == pytest.approx(total.item(), abs=1e-6)
+    # The label is detached: the confidence loss must not move the draft distribution.
+    out["conf"].backward()
+    assert logits.grad is None or torch.all(logits.grad == 0)
+    assert conf.grad is not None and conf.grad.abs().sum() > 0
+
+
+def test_padding_blocks_do_not_count() -> None:
+    logits = torch.randn(2, 3, 5)
+    p_t = torch.softmax(torch.randn(2, 3, 5), -1)
+    targets = torch.randint(0, 5, (2, 3))
+    conf = torch.randn(2, 3)
+    both = dspark_losses(logits, p_t, targets, conf, torch.tensor([1.0, 0.0]))
+    first = dspark_losses(logits[:1], p_t[:1], targets[:1], conf[:1], torch.ones(1))
+    for name in ("ce", "tv", "conf", "total"):
+        assert both[name].item() == pytest.approx(first[name].item(), rel=1e-6)
+
+
+def test_valid_anchors_keep_whole_block_in_response() -> None:
+    # 10 tokens, response starts at 4, block 3: anchor p needs p+1..p+3 in [4, 9].
+    assert valid_anchors(10, 4, 3).tolist() == [3, 4, 5, 6]
+    assert valid_anchors(6, 4, 3).tolist() == []
+    anchors, weights = choose_anchors(torch.tensor([3, 4]), 4, None)
+    assert anchors.tolist()[:2] == [3, 4] and weights.tolist() == [1, 1, 0, 0]
+    anchors, weights = choose_anchors(torch.arange(3, 20), 5, torch.Generator().manual_seed(0))
+    assert len(set(anchors.tolist())) == 5 and weights.sum() == 5
+
+
+def test_block_mask_layout() -> None:
+    mask = block_mask(torch.tensor([[2, 5]]), context_len=7, slots=3)[0]
+    assert mask.shape == (6, 7 + 6)
+    # Block 0 (rows 0-2): context positions 0, 1 and its own three slots.
+    assert mask[0, :7].tolist() == [True, True, False, False, False, False, False]
+    assert mask[0, 7:].tolist() == [True, True, True, False, False, False]
+    # Block 1 (rows 3-5): context 0..4 and its own slots only.
+    assert mask[4, :7].tolist() == [True] * 5 + [False] * 2
+    assert mask[4, 7:].tolist() == [False, False, False, True, True, True]
+
+
+def test_packed_block_never_sees_later_context_or_other_blocks(tiny_target: Path, tmp_path: Path) -> None:
+    drafter = DSparkDrafter.from_pretrained(make_drafter(tiny_target, tmp_path / "d"), tiny_target)
+    torch.manual_seed(0)
+    width = drafter.fc.in_features
+    context = torch.randn(1, 12, width)
+    blocks = drafter.block_input_ids(torch.tensor([[5, 9]]), 4)
+    anchors = torch.tensor([[4, 8]])
+    with torch.no_grad():
+        base = drafter.backbone(context, blocks, anchors)
+        changed_context = context.clone()
+        changed_context[:, 4:] += 5.0  # the anchor's own position and later
+        other_block = blocks.clone()
+        other_block[0, 1, 0] = 77
+        a = drafter.backbone(changed_context, blocks, anchors)
+        b = drafter.backbone(context, other_block, anchors)
+    assert torch.allclose(a[0, 0], base[0, 0], atol=1e-5)  # block 0 blind to positions >= 4
+    assert not torch.allclose(a[0, 1], base[0, 1])  # block 1 (anchor 8) does see 4..7
+    assert torch.allclose(b[0, 0], base[0, 0], atol=1e-5)  # nor does it see block 1
+
+
+def test_lr_schedule() -> None:
+    s = RunSettings(steps=100, lr=1e-3, min_lr_frac=0.1, warmup_frac=0.1, weight_decay=0.0,
+                    grad_clip=1.0, batch_seqs=1, anchors_per_seq=1, seed=0, world_size=1)
+    assert lr_at(0, s) == pytest.approx(1e-4)
+    assert lr_at(9, s) == pytest.approx(1e-3)
+    assert lr_at(99, s) == pytest.approx(1e-4, rel=0.01)
+    assert all(lr_at(i, s) >= lr_at(i + 1, s) for i in range(10, 99))
+
+
+def test_ece_by_hand() -> None:
+    predicted = torch.tensor([0.05, 0.05, 0.95, 0.95])
+    observed = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    # Bin of 0.05: gap 0.05 on half the data; bin of 0.95: gap 0.45 on the other half.
+    assert expected_calibration_error(predicted, observed, bins=10) == pytest.approx(0.25)
+
+
+def test_sts_lowers_ece_on_overconfident_data() -> None:
+    generator = torch.Generator().manual_seed(0)
+    true_logits = torch.randn(20000, 4, generator=generator) + 1.5
+    survival = torch.cumprod(torch.sigmoid(true_logits), dim=1)
+    reported = 3.0 * true_logits  # over-confident by a factor of 3 in logit space
+    temps = sequential_temperature_scaling(reported, survival, bins=15)
+    before = ece_per_position(reported, survival, [1.0] * 4, 15)
+    after = ece_per_position(reported, survival, temps, 15)
+    assert temps[0] == pytest.approx(3.0, rel=0.1)
+    assert all(a < 0.3 * b for a, b in zip(after, before)), (before, after)
+    assert max(after) < 0.01

@@ -1,0 +1,265 @@
+"""extract-features, train (single process, resumed, torchrun), calibrate and their bad inputs,
+end to end on the tiny random target."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.tiny_models import TINY_VOCAB, make_drafter
+from vllm_dspark.cli import main
+from vllm_dspark.model.drafter import DSparkDrafter
+from vllm_dspark.model.target_features import capture_target_states
+from vllm_dspark.training import train as train_module
+from vllm_dspark.training.features import FeatureStore, heldout_score, read_index
+
+DRAFTER = ["--num-layers", "1", "--block-size", "4", "--markov-rank", "16"]
+HELDOUT_FRAC = 0.25
+
+
+def write_records(path: Path, records: list[tuple[list[int], list[int]]]) -> Path:
+    with open(path, "w") as f:
+        for i, (prompt, response) in enumerate(records):
+            f.write(json.dumps({"id": f"rec-{i}", "prompt_token_ids": prompt, "response_token_ids": response}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Responses sampled from the tiny target itself, as generate-data would produce."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(tiny_target)).eval()
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, TINY_VOCAB, (24, 6), generator=generator)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(prompts, max_new_tokens=36, do_sample=True, pad_token_id=0, eos_token_id=None)
+    records = [(p.tolist(), o[6:].tolist()) for p, o in zip(prompts, out)]
+    return write_records(tmp_path_factory.mktemp("data") / "train.jsonl", records)
+
+
+@pytest.fixture(scope="module")
+def features(tiny_target: Path, tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("features")
+    argv = ["extract-features", "--target", str(tiny_target), "--data", str(tiny_data), "--out", str(root / "train"),
+            "--heldout-out", str(root / "heldout"), "--heldout-frac", str(HELDOUT_FRAC), "--shard-tokens", "300"]
+    assert main(argv) == 0
+    return root / "train", root / "heldout"
+
+
+def train_argv(target: Path, features: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--target", str(target), "--features", str(features), "--out", str(out),
+            "--batch-seqs", "4", "--anchors-per-seq", "8", "--lr", "3e-3", "--seed", "0", *extra]
+
+
+def read_log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------- features
+def test_features_split_shards_and_values(tiny_target: Path, tiny_data: Path, features: tuple[Path, Path]) -> None:
+    train_dir, heldout_dir = features
+    ids = [json.loads(line)["id"] for line in tiny_data.read_text().splitlines()]
+    train_ids = {e["id"] for e in read_index(train_dir)}
+    heldout_ids = {e["id"] for e in read_index(heldout_dir)}
+    assert heldout_ids == {i for i in ids if heldout_score(i) < HELDOUT_FRAC}
+    assert train_ids == set(ids) - heldout_ids
+    assert len(list(train_dir.glob("shard-*.safetensors"))) > 1  # bounded shards
+    store = FeatureStore(train_dir)
+    assert store.layer_ids == [0, 1, 2, 3]
+    seq = store.get(0)
+    from transformers import LlamaForCausalLM
+
+    target = LlamaForCausalLM.from_pretrained(str(tiny_target)).eval()
+    context, last = capture_target_states(target, seq.input_ids.unsqueeze(0), store.layer_ids)
+    # Stored in bf16: about 3 significant digits.
+    assert torch.allclose(seq.context, context[0], rtol=2e-2, atol=2e-2)
+    assert torch.allclose(seq.last_hidden, last[0], rtol=2e-2, atol=2e-2)
+    assert seq.loss_mask.sum() == len(seq.input_ids) - 6
+
+
+def test_extract_resumes_without_redoing(tiny_target: Path, tiny_data: Path, features: tuple[Path, Path], capsys) -> None:
+    train_dir, heldout_dir = features
+    before = (train_dir / "index.jsonl").read_text()
+    argv = ["extract-features", "--target", str(tiny_target), "--data", str(tiny_data), "--out", str(train_dir),
+            "--heldout-out", str(heldout_dir), "--heldout-frac", str(HELDOUT_FRAC), "--shard-tokens", "300"]
+    assert main(argv) == 0
+    assert "0 new sequences" in capsys.readouterr().out
+    assert (train_dir / "index.jsonl").read_text() == before
+
+
+# ---------------------------------------------------------------- training
+def test_short_training_lowers_loss(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path) -> None:
+    out = tmp_path / "drafter"
+    assert main(train_argv(tiny_target, features[0], out, *DRAFTER, "--steps", "40", "--save-every", "0")) == 0
+    log = read_log(out)
+    assert len(log) == 40
+    first = sum(r["total"] for r in log[:5]) / 5
+    last = sum(r["total"] for r in log[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+    assert sum(r["tv"] for r in log[-5:]) < sum(r["tv"] for r in log[:5])
+    drafter = DSparkDrafter.from_pretrained(out, tiny_target)  # loadable, target weights not stored
+    assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))
+    assert drafter.config.block_size == 4
+
+
+def test_resume_continues_exactly(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path, monkeypatch) -> None:
+    common = [*DRAFTER, "--steps", "6", "--save-every", "3"]
+    assert main(train_argv(tiny_target, features[0], tmp_path / "straight", *common)) == 0
+
+    calls = {"n": 0}
+    real_pack = train_module.pack_batch
+
+    def crash_at_step_5(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt  # killed after the step-3 checkpoint
+        return real_pack(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "pack_batch", crash_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        main(train_argv(tiny_target, features[0], tmp_path / "resumed", *common))
+    monkeypatch.setattr(train_module, "pack_batch", real_pack)
+    assert main(train_argv(tiny_target, features[0], tmp_path / "resumed", "--steps", "6", "--save-every", "3", "--resume")) == 0
+    a = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_on_the_fly_features(tiny_target: Path, tiny_data: Path, tmp_path: Path) -> None:
+    argv = ["train", "--target", str(tiny_target), "--data", str(tiny_data), "--out", str(tmp_path / "d"),
+            *DRAFTER, "--steps", "2", "--batch-seqs", "2", "--anchors-per-seq", "4"]
+    assert main(argv) == 0
+    assert len(read_log(tmp_path / "d")) == 2
+
+
+def test_torchrun_two_processes_keep_identical_weights(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path) -> None:
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "vllm_dspark.cli", *train_argv(tiny_target, features[0], out, *DRAFTER, "--steps", "4", "--save-every", "2")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    digests = re.findall(r"rank (\d)/2: weights digest (\w+)", proc.stderr)
+    assert {r for r, _ in digests} == {"0", "1"}
+    final = {rank: d for rank, d in digests[-2:]}
+    assert len(final) == 2 and final["0"] == final["1"], digests
+    assert len(read_log(out)) == 4 and all(r["anchors"] == 2 * 4 * 8 for r in read_log(out))
+
+
+# ---------------------------------------------------------------- calibration
+def test_calibrate_writes_temperatures_and_diagram(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path, capsys) -> None:
+    drafter = tmp_path / "drafter"
+    assert main(train_argv(tiny_target, features[0], drafter, *DRAFTER, "--steps", "10", "--save-every", "0")) == 0
+    out, png = tmp_path / "calibrated", tmp_path / "reliability.png"
+    argv = ["calibrate", "--target", str(tiny_target), "--drafter", str(drafter), "--features", str(features[1]),
+            "--out", str(out), "--png", str(png)]
+    assert main(argv) == 0
+    assert "ECE before" in capsys.readouterr().out
+    report = json.loads((out / "calibration.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert config["confidence_temperatures"] == report["temperatures"] and len(report["temperatures"]) == 4
+    assert report["ece_after"][0] <= report["ece_before"][0] + 1e-9
+    assert sum(report["ece_after"]) <= sum(report["ece_before"]) + 1e-9
+    assert png.stat().st_size > 10_000
+    loaded = DSparkDrafter.from_pretrained(out, tiny_target)
+    assert loaded.config.confidence_temperatures == report["temperatures"]
+
+
+# ---------------------------------------------------------------- bad inputs
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_extract_bad_inputs(tiny_target: Path, tmp_path: Path, capsys) -> None:
+    base = ["extract-features", "--target", str(tiny_target), "--out", str(tmp_path / "f")]
+    code, err = run_cli([*base, "--data", str(tmp_path / "missing.jsonl")], capsys)
+    assert code == 1 and "training data not found" in err
+    (tmp_path / "empty.jsonl").write_text("")
+    code, err = run_cli([*base, "--data", str(tmp_path / "empty.jsonl")], capsys)
+    assert code == 1 and "no usable records" in err
+    foreign = write_records(tmp_path / "foreign.jsonl", [([1, 2, 3], [40000, 5, 6])])
+    code, err = run_cli([*base[:-1], str(tmp_path / "g"), "--data", str(foreign)], capsys)
+    assert code == 1 and "different model" in err
+    (tmp_path / "bad.jsonl").write_text('{"id": 1}\n')
+    code, err = run_cli([*base[:-1], str(tmp_path / "h"), "--data", str(tmp_path / "bad.jsonl")], capsys)
+    assert code == 1 and "bad.jsonl:1" in err
+    code, err = run_cli(["extract-features", "--target", str(tmp_path / "nowhere"), "--data", str(foreign),
+                         "--out", str(tmp_path / "i")], capsys)
+    assert code == 1 and "target config not found" in err
+    with pytest.raises(SystemExit) as exc:
+        main([*base, "--data", str(foreign), "--no-such-option"])
+    assert exc.value.code == 2
+
+
+def test_extract_refuses_mixing_into_other_features(tiny_target: Path, tiny_data: Path, features: tuple[Path, Path], capsys) -> None:
+    argv = ["extract-features", "--target", str(tiny_target), "--data", str(tiny_data), "--out", str(features[0]),
+            "--layers", "1", "2"]
+    code, err = run_cli(argv, capsys)
+    assert code == 1 and "already holds features made differently" in err
+
+
+def other_target(tiny_target: Path, tmp_path: Path, hidden_size: int | None = None) -> Path:
+    """A copy of the tiny target with another tokenizer, or a new one of another width."""
+    if hidden_size is None:
+        target = tmp_path / "other_tokenizer"
+        shutil.copytree(tiny_target, target)
+        (target / "tokenizer.json").write_text('{"model": "not the same"}')
+        return target
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
+    target = tmp_path / "other_width"
+    LlamaForCausalLM(config).save_pretrained(target)
+    return target
+
+
+def test_train_bad_inputs(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    steps = ["--steps", "1"]
+    code, err = run_cli(train_argv(tiny_target, tmp_path / "nothing", out, *steps), capsys)
+    assert code == 1 and "no features in" in err
+    for target, what in ((other_target(tiny_target, tmp_path), "tokenizer_sha256"),
+                         (other_target(tiny_target, tmp_path, hidden_size=64), "hidden_size 64")):
+        code, err = run_cli(train_argv(target, features[0], out, *steps), capsys)
+        assert code == 1 and "different target or tokenizer" in err and what in err, err
+    init = make_drafter(tiny_target, tmp_path / "init", target_layer_ids=[1, 3])
+    code, err = run_cli(train_argv(tiny_target, features[0], out, "--init", str(init), *steps), capsys)
+    assert code == 1 and "target_layer_ids [1, 3]" in err
+    code, err = run_cli(train_argv(tiny_target, features[0], out, "--init", str(init), "--num-layers", "2", *steps), capsys)
+    assert code == 2 and "either --init or drafter options" in err
+    code, err = run_cli(train_argv(tiny_target, features[0], out, "--resume", *steps), capsys)
+    assert code == 1 and "no checkpoint" in err
+    with pytest.raises(SystemExit) as exc:
+        main(train_argv(tiny_target, features[0], out, "--markov-head-type", "lstm", *steps))
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        main(train_argv(tiny_target, features[0], out, "--bogus", *steps))
+    assert exc.value.code == 2
+    code, err = run_cli(train_argv(tiny_target, features[0], out, "--block-size", "60", *steps), capsys)
+    assert code == 1 and "block_size=60" in err
+
+
+def test_calibrate_bad_inputs(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path, capsys) -> None:
+    base = ["calibrate", "--target", str(tiny_target), "--features", str(features[1]), "--out", str(tmp_path / "o")]
+    code, err = run_cli([*base, "--drafter", str(tmp_path / "missing")], capsys)
+    assert code == 1 and "drafter config not found" in err
+    drafter = DSparkDrafter.from_pretrained(make_drafter(tiny_target, tmp_path / "d"), tiny_target)
+    drafter.config.enable_confidence_head = False
+    drafter.confidence_head = None
+    no_conf = tmp_path / "noconf"
+    drafter.save_pretrained(no_conf)
+    code, err = run_cli([*base, "--drafter", str(no_conf)], capsys)
+    assert code == 1 and "no confidence head" in err

@@ -1,0 +1,136 @@
+"""Anchors, packed blocks and the teacher-forced drafter pass shared by training and calibration.
+
+An anchor at position p gives one block: inputs [x_p, mask x K], output slot k (0-based)
+predicts x_{p+k+1}, against the target distribution p_t at position p+k. A block is only
+used when all K predicted tokens lie in the response (the loss mask), so the drafter learns
+from the target's own outputs and never from the prompt. Many blocks per sequence share
+one context pass; the drafter's `block_mask` keeps each block to its own context prefix
+(positions < p) and its own slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_dspark.model.drafter import DSparkDrafter
+from vllm_dspark.training.features import FeatureSource, SequenceFeatures
+from vllm_dspark.training.losses import LossWeights, dspark_losses
+
+
+def valid_anchors(length: int, response_start: int, block_size: int) -> torch.Tensor:
+    """Positions p whose K targets p+1..p+K all are response tokens inside the sequence."""
+    first = max(response_start - 1, 0)
+    last = length - 1 - block_size
+    return torch.arange(first, last + 1) if last >= first else torch.zeros(0, dtype=torch.long)
+
+
+def num_valid_anchors(length: int, response_start: int, block_size: int) -> int:
+    return max(0, length - block_size - max(response_start - 1, 0))
+
+
+def usable_sequences(source: FeatureSource, block_size: int) -> list[int]:
+    """Indices of the sequences with at least one valid anchor."""
+    return [i for i, (t, start) in enumerate(source.lengths()) if num_valid_anchors(t, start, block_size) > 0]
+
+
+def choose_anchors(
+    valid: torch.Tensor, count: int, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` distinct anchors (random if a generator is given, else evenly spread) and
+    their weights; when fewer are valid, the rest repeat the first with weight 0."""
+    if len(valid) == 0:
+        raise ValueError("a sequence without valid anchors cannot form blocks")
+    if len(valid) > count:
+        if generator is None:
+            picked = valid[torch.linspace(0, len(valid) - 1, count).round().long()]
+        else:
+            picked = valid[torch.randperm(len(valid), generator=generator)[:count]].sort().values
+        return picked, torch.ones(count)
+    pad = count - len(valid)
+    anchors = torch.cat([valid, valid[:1].expand(pad)])
+    return anchors, torch.cat([torch.ones(len(valid)), torch.zeros(pad)])
+
+
+@dataclass
+class BlockBatch:
+    """B sequences, right-padded to T, with A anchors each."""
+
+    input_ids: torch.Tensor  # [B, T]
+    context: torch.Tensor  # [B, T, m*d]
+    last_hidden: torch.Tensor  # [B, T, d]
+    anchors: torch.Tensor  # [B, A] positions
+    anchor_weights: torch.Tensor  # [B, A], 0 = padding anchor
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.anchor_weights.sum())
+
+
+def pack_batch(
+    sequences: list[SequenceFeatures], anchors_per_seq: int, block_size: int, generator: torch.Generator | None
+) -> BlockBatch:
+    longest = max(len(s.input_ids) for s in sequences)
+    b = len(sequences)
+    input_ids = torch.zeros(b, longest, dtype=torch.long)
+    context = torch.zeros(b, longest, sequences[0].context.shape[-1])
+    last_hidden = torch.zeros(b, longest, sequences[0].last_hidden.shape[-1])
+    anchors, weights = [], []
+    for row, seq in enumerate(sequences):
+        t = len(seq.input_ids)
+        input_ids[row, :t] = seq.input_ids
+        context[row, :t] = seq.context
+        last_hidden[row, :t] = seq.last_hidden
+        picked, weight = choose_anchors(valid_anchors(t, seq.response_start, block_size), anchors_per_seq, generator)
+        anchors.append(picked)
+        weights.append(weight)
+    return BlockBatch(input_ids, context, last_hidden, torch.stack(anchors), torch.stack(weights))
+
+
+@dataclass
+class TeacherForced:
+    """Drafter outputs for the N real (non-padding) blocks of a batch."""
+
+    logits: torch.Tensor  # [N, K, V]
+    conf_logits: torch.Tensor | None  # [N, K]
+    target_probs: torch.Tensor  # [N, K, V]
+    targets: torch.Tensor  # [N, K] ground-truth next tokens
+    row_weights: torch.Tensor  # [N]
+
+
+def teacher_forced_blocks(drafter: DSparkDrafter, batch: BlockBatch) -> TeacherForced:
+    """One packed backbone pass, then the sequential heads fed the true previous tokens.
+    Padding blocks are dropped before the vocabulary-sized work, which dominates a step."""
+    k = drafter.config.block_size
+    b, a = batch.anchors.shape
+    anchor_tokens = batch.input_ids.gather(1, batch.anchors)
+    hidden = drafter.backbone(batch.context, drafter.block_input_ids(anchor_tokens, k), batch.anchors)
+    keep = batch.anchor_weights.reshape(-1) > 0
+    hidden = hidden[:, :, :k].reshape(b * a, k, -1)[keep]
+    rows = torch.arange(b).repeat_interleave(a)[keep].unsqueeze(-1)  # [N, 1] sequence of each block
+    positions = (batch.anchors.reshape(-1, 1) + torch.arange(k))[keep]  # [N, K]: p .. p+K-1
+    prev_tokens = batch.input_ids[rows, positions]  # anchor, then the true tokens
+    logits, conf_logits = drafter.teacher_forced_heads(hidden, prev_tokens)
+    with torch.no_grad():
+        target_probs = torch.softmax(drafter.lm_head(batch.last_hidden[rows, positions]), dim=-1)
+    return TeacherForced(
+        logits=logits,
+        conf_logits=conf_logits,
+        target_probs=target_probs,
+        targets=batch.input_ids[rows, positions + 1],
+        row_weights=batch.anchor_weights.reshape(-1)[keep],
+    )
+
+
+class DrafterLoss(torch.nn.Module):
+    """The drafter plus its loss as one module, so DistributedDataParallel can wrap it."""
+
+    def __init__(self, drafter: DSparkDrafter, weights: LossWeights = LossWeights()) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.weights = weights
+
+    def forward(self, batch: BlockBatch) -> dict[str, torch.Tensor]:
+        out = teacher_forced_blocks(self.drafter, batch)
+        return dspark_losses(out.logits, out.target_probs, out.targets, out.conf_logits, out.row_weights, self.weights)

@@ -1,0 +1,79 @@
+"""DSpark training losses (DSPARK.md section 2), one small function each.
+
+All per-position terms are weighted by w_k = exp(-(k-1)/gamma) for block positions
+k = 1..gamma, because an early mistake ends the accepted prefix and makes later positions
+matter less. Shapes: N blocks, K positions, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """total = ce * CE + tv * TV + conf * BCE (the paper's 0.1 / 0.9 / 1.0)."""
+
+    ce: float = 0.1
+    tv: float = 0.9
+    conf: float = 1.0
+
+
+def position_weights(block_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """[K] w_k = exp(-(k-1)/gamma), k = 1..K."""
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32, device=device) / block_size)
+
+
+def total_variation_l1(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """||p_d - p_t||_1 over the last axis (twice the total-variation distance), in [0, 2]."""
+    return (draft_probs - target_probs).abs().sum(-1)
+
+
+def acceptance_label(tv_l1: torch.Tensor) -> torch.Tensor:
+    """Soft label c* = 1 - 0.5 ||p_d - p_t||_1: the exact probability that rejection
+    sampling accepts a token drawn from p_d. Detached: the confidence head must follow
+    the drafter, not pull the drafter towards its own prediction."""
+    return (1.0 - 0.5 * tv_l1).detach().clamp(0.0, 1.0)
+
+
+def weighted_mean(values: torch.Tensor, pos_weights: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+    """Mean of values [N, K] under position weights [K] and block weights [N] (0 = padding)."""
+    weights = row_weights.unsqueeze(-1) * pos_weights
+    return (values * weights).sum() / weights.sum().clamp_min(1e-12)
+
+
+def dspark_losses(
+    logits: torch.Tensor,
+    target_probs: torch.Tensor,
+    targets: torch.Tensor,
+    conf_logits: torch.Tensor | None,
+    row_weights: torch.Tensor,
+    weights: LossWeights = LossWeights(),
+) -> dict[str, torch.Tensor]:
+    """The three losses and their weighted total.
+
+    logits: draft logits [N, K, V]; target_probs: p_t [N, K, V]; targets: ground-truth next
+    tokens [N, K]; conf_logits: raw confidence logits [N, K] (None without a confidence
+    head); row_weights: [N]. Returns scalars "ce", "tv", "conf", "total" and the per-block
+    acceptance label "accept" [N, K] (detached; for logging and calibration).
+    """
+    pos_w = position_weights(logits.shape[1], logits.device)
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    ce = -log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    tv = total_variation_l1(log_probs.exp(), target_probs)
+    accept = acceptance_label(tv)
+    losses = {
+        "ce": weighted_mean(ce, pos_w, row_weights),
+        "tv": weighted_mean(tv, pos_w, row_weights),
+    }
+    if conf_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), accept, reduction="none")
+        losses["conf"] = weighted_mean(bce, pos_w, row_weights)
+    else:
+        losses["conf"] = logits.new_zeros(())
+    losses["total"] = weights.ce * losses["ce"] + weights.tv * losses["tv"] + weights.conf * losses["conf"]
+    losses["accept"] = accept
+    return losses

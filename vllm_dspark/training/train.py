@@ -1,0 +1,337 @@
+"""`vllm-dspark train`: one readable training loop for DSpark / DFlash drafters.
+
+Per step each process takes `--batch-seqs` sequences of its own shard, samples
+`--anchors-per-seq` blocks in each, runs one packed backbone pass plus the teacher-forced
+sequential heads and minimises 0.1 CE + 0.9 TV + 1.0 confidence BCE (losses.py) with AdamW,
+linear warm-up, cosine decay and grad-norm clipping. The target is frozen and so are the
+drafter's embedding and LM head (shared with the target).
+
+Data-parallel: under `torchrun` (gloo on CPU) every rank reads a different shard of the
+sequences and DistributedDataParallel averages the gradients, so all replicas stay equal
+(checked at every checkpoint through a weight digest).
+
+Determinism: the sequences and anchors of step s depend only on (seed, rank, s), so a run
+resumed from a checkpoint continues exactly as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from vllm_dspark.config import ConfigError
+from vllm_dspark.model.drafter import DSparkDrafter
+from vllm_dspark.model.init_drafter import drafter_config_for_target, init_weights
+from vllm_dspark.training.blocks import DrafterLoss, pack_batch, usable_sequences
+from vllm_dspark.training.features import (
+    FeatureError,
+    FeatureSource,
+    FeatureStore,
+    OnTheFlyFeatures,
+    check_same_target,
+    check_source_fits,
+)
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoint"
+TRAINER_STATE = "trainer_state.pt"
+LOG_FILE = "train_log.jsonl"
+LOGGED = ("total", "ce", "tv", "conf")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a resumed run must share with the run that wrote the checkpoint."""
+
+    steps: int
+    lr: float
+    min_lr_frac: float
+    warmup_frac: float
+    weight_decay: float
+    grad_clip: float
+    batch_seqs: int
+    anchors_per_seq: int
+    seed: int
+    world_size: int
+
+
+def lr_at(step: int, settings: RunSettings) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `min_lr_frac * lr` at the last step."""
+    warmup = max(1, math.ceil(settings.warmup_frac * settings.steps))
+    if step < warmup:
+        return settings.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, settings.steps - warmup)
+    floor = settings.min_lr_frac * settings.lr
+    return floor + 0.5 * (settings.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def step_generator(seed: int, rank: int, step: int) -> torch.Generator:
+    """A generator that depends only on (seed, rank, step): resumable, rank-distinct."""
+    key = hashlib.sha256(f"{seed}/{rank}/{step}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(key[:7], "big"))
+
+
+class EpochSampler:
+    """Sequence indices per step: epoch-wise permutations of this rank's shard, so every
+    sequence is seen once per epoch; a pure function of (seed, rank, step)."""
+
+    def __init__(self, indices: list[int], batch: int, seed: int, rank: int) -> None:
+        self.indices, self.batch, self.seed, self.rank = indices, batch, seed, rank
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            order = torch.randperm(len(self.indices), generator=step_generator(self.seed, self.rank, -1 - epoch))
+            # Keep two epochs: a batch may straddle an epoch boundary.
+            self._perms = {e: p for e, p in self._perms.items() if e == epoch - 1}
+            self._perms[epoch] = [self.indices[i] for i in order]
+        return self._perms[epoch]
+
+    def batch_at(self, step: int) -> list[int]:
+        n = len(self.indices)
+        return [self._perm(i // n)[i % n] for i in range(step * self.batch, (step + 1) * self.batch)]
+
+
+# ------------------------------------------------------------------ set-up helpers
+def distributed_context() -> tuple[int, int]:
+    """(rank, world size); starts the gloo process group under torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def build_drafter(args: argparse.Namespace, layer_ids: list[int] | None) -> DSparkDrafter:
+    """From --init (a drafter directory) or from the drafter options, seeded."""
+    if args.init is not None:
+        return DSparkDrafter.from_pretrained(args.init, args.target)
+    config = drafter_config_for_target(
+        args.target,
+        num_layers=args.num_layers or 2,
+        block_size=args.block_size or 7,
+        markov_rank=64 if args.markov_rank is None else args.markov_rank,
+        markov_head_type=args.markov_head_type or "vanilla",
+        target_layer_ids=layer_ids,
+    )
+    drafter = DSparkDrafter(config)
+    init_weights(drafter, args.seed)
+    drafter.load_shared_from_target(args.target)
+    return drafter
+
+
+def weights_digest(drafter: DSparkDrafter) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(drafter.trainable_state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def save_checkpoint(out: Path, drafter: DSparkDrafter, optimizer: torch.optim.Optimizer, step: int, settings: RunSettings) -> None:
+    """Drafter directory + optimizer state, written beside and then swapped in."""
+    final, tmp = out / CHECKPOINT_DIR, out / (CHECKPOINT_DIR + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    drafter.save_pretrained(tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "settings": asdict(settings)}, tmp / TRAINER_STATE)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+
+
+def load_checkpoint(out: Path, target: Path, settings: RunSettings) -> tuple[DSparkDrafter, dict[str, Any]]:
+    ckpt = out / CHECKPOINT_DIR
+    if not (ckpt / TRAINER_STATE).is_file():
+        raise FeatureError(f"--resume: no checkpoint in {ckpt}")
+    state = torch.load(ckpt / TRAINER_STATE, weights_only=True)
+    changed = {k: (v, getattr(settings, k)) for k, v in state["settings"].items() if getattr(settings, k) != v}
+    if changed:
+        raise FeatureError(f"--resume with different settings (checkpoint, now): {changed}")
+    return DSparkDrafter.from_pretrained(ckpt, target), state
+
+
+# ------------------------------------------------------------------ the loop
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    rank, world = distributed_context()
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    settings = RunSettings(
+        steps=args.steps, lr=args.lr, min_lr_frac=args.min_lr_frac, warmup_frac=args.warmup_frac,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip, batch_seqs=args.batch_seqs,
+        anchors_per_seq=args.anchors_per_seq, seed=args.seed, world_size=world,
+    )
+    # Cached features fix the layers a new drafter reads; check them before building it.
+    store = FeatureStore(args.features) if args.features is not None else None
+    if store is not None:
+        check_same_target(store, args.target, str(args.features))
+    start_step, state = 0, None
+    if args.resume:
+        drafter, state = load_checkpoint(out, args.target, settings)
+        start_step = state["step"]
+    else:
+        drafter = build_drafter(args, store.layer_ids if store is not None else None)
+    config = drafter.config
+    source: FeatureSource = store or OnTheFlyFeatures(args.target, args.data, config.target_layer_ids, args.max_seq_len)
+    check_source_fits(source, config, args.target, str(args.features or args.data))
+
+    usable = usable_sequences(source, config.block_size)
+    if not usable:
+        raise FeatureError(f"no sequence has a response of more than block_size={config.block_size} tokens")
+    shard = usable[rank::world]
+    if not shard:
+        raise FeatureError(f"rank {rank} has no sequences: {len(usable)} usable sequences for {world} ranks")
+    sampler = EpochSampler(shard, args.batch_seqs, args.seed, rank)
+
+    model = DrafterLoss(drafter)
+    wrapped = DistributedDataParallel(model) if world > 1 else model
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+
+    is_main = rank == 0
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        num_params = sum(p.numel() for p in params)
+        logger.info(
+            "training %s: %d trainable parameters, %d usable sequences (%d on this rank), world %d, steps %d..%d",
+            config.architectures[0], num_params, len(usable), len(shard), world, start_step, args.steps,
+        )
+    log_file = open(out / LOG_FILE, "a", encoding="utf-8") if is_main else None
+    bar = tqdm(total=args.steps, initial=start_step, desc="train", disable=not is_main, dynamic_ncols=True)
+    recent: list[dict[str, float]] = []
+    total_anchors, train_seconds = 0, 0.0
+    for step in range(start_step, args.steps):
+        t0 = time.perf_counter()
+        generator = step_generator(args.seed, rank, step)
+        batch = pack_batch([source.get(i) for i in sampler.batch_at(step)], args.anchors_per_seq, config.block_size, generator)
+        lr = lr_at(step, settings)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        losses = wrapped(batch)
+        optimizer.zero_grad(set_to_none=True)
+        losses["total"].backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        optimizer.step()
+
+        anchors = batch.num_blocks * world
+        seconds = time.perf_counter() - t0
+        total_anchors += anchors
+        train_seconds += seconds
+        row = {k: float(losses[k].detach()) for k in LOGGED}
+        row["accept"] = float(losses["accept"].mean())
+        recent = (recent + [row])[-20:]
+        if is_main:
+            mean = {k: sum(r[k] for r in recent) / len(recent) for k in row}
+            bar.set_postfix(
+                loss=f"{mean['total']:.3f}", ce=f"{mean['ce']:.2f}", tv=f"{mean['tv']:.3f}",
+                conf=f"{mean['conf']:.3f}", lr=f"{lr:.1e}", anc_s=f"{total_anchors / train_seconds:.1f}",
+            )
+            bar.update(1)
+            log_file.write(json.dumps({"step": step + 1, "lr": lr, "grad_norm": float(grad_norm), **row,
+                                       "anchors": anchors, "seconds": round(seconds, 3)}) + "\n")
+            log_file.flush()
+        last = step + 1 == args.steps
+        if last or (args.save_every and (step + 1) % args.save_every == 0):
+            check_replicas_equal(drafter, rank, world)
+            if is_main:
+                save_checkpoint(out, drafter, optimizer, step + 1, settings)
+            if world > 1:
+                dist.barrier()
+    bar.close()
+    if is_main:
+        drafter.save_pretrained(out)
+        log_file.close()
+    summary = {
+        "steps": args.steps,
+        "resumed_from": start_step,
+        "anchors": total_anchors,
+        "train_seconds": round(train_seconds, 1),
+        "anchors_per_s": round(total_anchors / train_seconds, 2) if train_seconds else 0.0,
+        "final": {k: round(sum(r[k] for r in recent) / len(recent), 4) for k in recent[0]} if recent else {},
+        "digest": weights_digest(drafter),
+    }
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
+
+
+def check_replicas_equal(drafter: DSparkDrafter, rank: int, world: int) -> None:
+    """DDP keeps replicas equal; verify before saving, since a silent drift would make the
+    saved weights (rank 0's) differ from what the other ranks trained."""
+    digest = weights_digest(drafter)
+    print(f"rank {rank}/{world}: weights digest {digest}", file=sys.stderr, flush=True)
+    if world > 1:
+        digests: list[str] = [""] * world
+        dist.all_gather_object(digests, digest)
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"data-parallel replicas diverged: weight digests {digests}")
+
+
+# ------------------------------------------------------------------ CLI
+def _run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    drafter_options = [args.num_layers, args.block_size, args.markov_rank, args.markov_head_type]
+    if args.init is not None and any(o is not None for o in drafter_options):
+        print("train: give either --init or drafter options (--num-layers ...), not both", file=sys.stderr)
+        return 2
+    if args.resume and not (Path(args.out) / CHECKPOINT_DIR / TRAINER_STATE).is_file():
+        print(f"train: --resume but no checkpoint in {Path(args.out) / CHECKPOINT_DIR}", file=sys.stderr)
+        return 1
+    try:
+        summary = train(args)
+    except (FeatureError, ConfigError, OSError) as exc:
+        print(f"train: {exc}", file=sys.stderr)
+        return 1
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("train: " + json.dumps(summary))
+    return 0
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="train a DSpark/DFlash drafter (also under torchrun)")
+    parser.add_argument("--target", type=Path, required=True, help="HF target checkpoint directory")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--features", type=Path, help="feature directory from extract-features")
+    source.add_argument("--data", type=Path, help="generate-data JSONL: run the target on the fly instead")
+    parser.add_argument("--max-seq-len", type=_positive_int, default=2048, help="with --data")
+    parser.add_argument("--out", type=Path, required=True, help="output drafter directory (+ checkpoint/)")
+    parser.add_argument("--init", type=Path, default=None, help="start from this drafter directory")
+    parser.add_argument("--num-layers", type=_positive_int, default=None, help="new drafter (default 2)")
+    parser.add_argument("--block-size", type=_positive_int, default=None, help="new drafter (default 7)")
+    parser.add_argument("--markov-rank", type=int, default=None, help="new drafter (default 64; 0 = DFlash)")
+    parser.add_argument("--markov-head-type", choices=["vanilla", "gated", "rnn"], default=None)
+    parser.add_argument("--steps", type=_positive_int, required=True)
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--min-lr-frac", type=float, default=0.1, help="cosine floor, as a share of --lr")
+    parser.add_argument("--warmup-frac", type=float, default=0.04)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--grad-clip", type=float, default=1.0)
+    parser.add_argument("--batch-seqs", type=_positive_int, default=4, help="sequences per step and rank")
+    parser.add_argument("--anchors-per-seq", type=_positive_int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-every", type=int, default=100, help="checkpoint period in steps (0: end only)")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    parser.set_defaults(func=_run)
