@@ -158,6 +158,15 @@ def plot_by_position(results: dict, names: list[str], datasets: list[str], out: 
     plt.close(fig)
 
 
+def position_trends(by_temp: dict[str, dict[str, dict]]) -> dict[str, list[float | None]]:
+    """Conditional acceptance per position, averaged over the datasets that reach it."""
+    trends = {}
+    for temp, cells in by_temp.items():
+        columns = zip(*(c["acceptance_by_position"] for c in cells.values()))
+        trends[temp] = [None if not (v := [x for x in col if x is not None]) else sum(v) / len(v) for col in columns]
+    return trends
+
+
 def fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -200,7 +209,18 @@ def write_markdown(summary: dict, results: dict, names: list[str], datasets: lis
                     + f" | {fmt(cell['prefix_confidence_ece'], 3)} |")
         lines.append("")
     paper = [p[0] / p[1] for p in PAPER.values()]
+    seconds = sum(c["wall_seconds"] for temps in results.values() for cells in temps.values() for c in cells.values())
     lines += [
+        "## Summary",
+        "",
+        *(f"- T={temp}: macro {first}/{second} = {r['macro']['ratio']:.3f} ± {r['macro']['stderr']:.3f}"
+          for temp, r in summary["ratio"].items()),
+        *(f"- {name}, T={temp}: conditional acceptance by position, mean over datasets: "
+          + " ".join(fmt(x) for x in trend)
+          for name in names for temp, trend in position_trends(results[name]).items()),
+        f"- Evaluation time: {seconds / 60:.0f} min over {sum(len(c) for t in results.values() for c in t.values())} "
+        "cells (one torch thread on a shared CPU).",
+        "",
         "## Reference",
         "",
         f"The paper (Qwen3-8B, gamma 7, temperature 1, far more training data) reports DSpark/DFlash tau ratios "
