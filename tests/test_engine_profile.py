@@ -14,7 +14,7 @@ from vllm_dspark.scheduling import SpsCurve
 @pytest.fixture(scope="module")
 def tiny_curve(tiny_target) -> SpsCurve:
     return profile_engine(
-        str(tiny_target), [1, 2, 4], context_len=24, steps=3, skip_tokenizer_init=True, distributed_executor_backend="uni"
+        str(tiny_target), [1, 2, 4], context_len=24, steps=3, distributed_executor_backend="uni"
     )
 
 
@@ -57,3 +57,15 @@ def test_auto_profile_is_used_or_falls_back(tiny_target, tiny_curve, tmp_path, m
     llm = make_llm(tiny_target, spec, options)
     scheduler = engine_scheduler(llm)
     assert scheduler.sps_curve == tiny_curve and scheduler.dspark_options.policy == "dspark"
+
+
+def test_profile_at_startup_fills_the_cache(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_DSPARK_CACHE", str(tmp_path / "cache"))
+    drafter = make_drafter(tiny_target, tmp_path / "drafter")
+    spec = {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": 4}
+    options = {"vllm_dspark": {"policy": "dspark", "sps_profile": "auto", "profile_at_startup": True}}
+    llm = make_llm(tiny_target, spec, options, max_num_seqs=2)
+    scheduler = engine_scheduler(llm)
+    assert scheduler.dspark_options.policy == "dspark"
+    assert [b for b, _ in scheduler.sps_curve.points] == [1, 2]
+    assert cached_profile_path(profile_key(str(tiny_target), "float32")).is_file()

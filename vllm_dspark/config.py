@@ -170,6 +170,8 @@ class PluginOptions(BaseModel):
     # SPS(B) as [[batch_tokens, steps_per_second], ...] or a profile file path.
     sps_table: list[tuple[int, float]] | None = None
     sps_profile: str | None = None
+    # With sps_profile "auto": measure the curve at start-up when no cached one exists.
+    profile_at_startup: bool = False
     min_tokens_per_s: float = Field(default=0.0, ge=0.0)
     log_interval_s: float = Field(default=10.0, gt=0)
 

@@ -15,6 +15,8 @@ import logging
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -107,6 +109,7 @@ def profile_engine(
         max_model_len=context_len + steps + 16,
         enable_prefix_caching=False,
         seed=seed,
+        skip_tokenizer_init=True,  # prompts are token ids
         **engine_kwargs,
     )
     vocab_size = llm.llm_engine.model_config.get_vocab_size()
@@ -117,6 +120,21 @@ def profile_engine(
         logger.info("B=%d: %.1f ms per step, %.2f steps/s", batch, 1000 * median, 1.0 / median)
     metadata = profile_key(model, dtype) | {"context_len": str(context_len), "steps": str(steps)}
     return SpsCurve(points=points, metadata=metadata)
+
+
+def ensure_cached_profile(model: str, dtype: str, max_batch: int) -> Path:
+    """Profile this engine once, in a child process so its memory is freed before the
+    serving engine starts, unless the profile cache already has it."""
+    path = cached_profile_path(profile_key(model, dtype))
+    if path.is_file():
+        return path
+    batch_tokens = [str(b) for b in DEFAULT_BATCH_TOKENS if b <= max_batch] or ["1"]
+    command = [sys.executable, "-m", "vllm_dspark.cli", "profile", "--model", model, "--dtype", dtype,
+               "--out", str(path), "--cache", "--batch-tokens", *batch_tokens]
+    logger.info("vllm_dspark: profiling SPS(B) at start-up (about a minute per batch size): %s", " ".join(command))
+    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    subprocess.run(command, check=True, env=env)
+    return path
 
 
 def plot_curve(curve: SpsCurve, png: Path) -> None:

