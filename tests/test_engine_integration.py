@@ -144,3 +144,10 @@ def test_smollm2_greedy_identical(smollm2_target, tmp_path):
     spec, counters = run(spec_config(drafter, k=4))
     assert spec == base
     assert counters["num_drafts"] > 0
+
+
+def test_v1_runner_even_when_v2_is_requested(tiny_target, fitted_drafter, baseline, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    llm = make_llm(tiny_target, spec_config(fitted_drafter))
+    assert not llm.llm_engine.vllm_config.use_v2_model_runner
+    assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline

@@ -22,14 +22,16 @@ idempotent and applies in every vLLM process (API server, engine core, workers):
    with speculation at temperature > 0 then draws from garbage distributions (found by
    this project's chi-square test). `expand_batch_to_tokens` is replaced by PyTorch code.
 
-On GPU, vLLM 0.32 treats an unknown parallel-drafting method as unsupported by its V2
-runner and selects the V1 runner by itself, so no patch is needed for that.
+9. `VllmConfig.use_v2_model_runner` is False for this method, even when
+   `VLLM_USE_V2_MODEL_RUNNER=1` is set: the plugin hooks into the V1 runner (on GPU vLLM
+   0.32 would otherwise default to V2 whenever it supports every other feature in use).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Literal, Optional, get_args
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ def apply() -> None:
     _patch_engine_args()
     _register_draft_model()
     _fix_cpu_expand_batch_to_tokens()
+    _pin_v1_model_runner()
     _share_vllm_log_handlers()
     _applied = True
     logger.debug("vllm_dspark patches applied")
@@ -203,6 +206,22 @@ def _fix_cpu_expand_batch_to_tokens() -> None:
         return expanded
 
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+
+
+def _pin_v1_model_runner() -> None:
+    from vllm.config import VllmConfig
+
+    original = VllmConfig.use_v2_model_runner
+
+    def use_v2_model_runner(self) -> bool:
+        spec = self.speculative_config
+        if spec is not None and spec.method == METHOD:
+            if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
+                logger.warning("vllm_dspark runs on the V1 model runner; ignoring VLLM_USE_V2_MODEL_RUNNER=1")
+            return False
+        return original.fget(self)
+
+    VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
 
 
 def _share_vllm_log_handlers() -> None:
