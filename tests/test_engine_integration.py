@@ -151,3 +151,35 @@ def test_v1_runner_even_when_v2_is_requested(tiny_target, fitted_drafter, baseli
     llm = make_llm(tiny_target, spec_config(fitted_drafter))
     assert not llm.llm_engine.vllm_config.use_v2_model_runner
     assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
+
+
+def test_sla_priority_from_request_extra_args(tiny_target, baseline, tmp_path):
+    """A request that asks for a higher speed floor gets more of its drafts verified than
+    the same request without it (greedy: same drafts and confidences in both runs)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # Moderate confidences, so that every request has several candidate slots.
+    drafter = make_drafter(tiny_target, tmp_path / "drafter")
+    fit_markov_to_transitions(drafter, tiny_target, [p + o for p, o in zip(PROMPTS, baseline)], confidence_gain=4.0)
+
+    options = {"vllm_dspark": {"policy": "sla", "sps_table": SPS_TABLE, "min_tokens_per_s": 0.0}}
+
+    def mean_verified_per_prompt(floors: dict[int, float]) -> list[float]:
+        llm = make_llm(tiny_target, spec_config(drafter), options)
+        params = [
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False,
+                           extra_args={"dspark_min_tokens_per_s": floors[i]} if i in floors else None)
+            for i in range(len(PROMPTS))
+        ]
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+        per_prompt: dict[int, list[int]] = {}
+        for decision in engine_scheduler(llm).recent_decisions:
+            for req_id, verified in zip(decision.req_ids, decision.verified):
+                per_prompt.setdefault(int(req_id.split("-")[0]) % len(PROMPTS), []).append(int(verified))
+        return [float(np.mean(per_prompt[i])) for i in range(len(PROMPTS))]
+
+    plain = mean_verified_per_prompt({})
+    chosen = 0
+    prioritised = mean_verified_per_prompt({chosen: 400.0})
+    assert prioritised[chosen] > plain[chosen] + 0.5, (plain, prioritised)

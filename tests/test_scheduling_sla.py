@@ -18,8 +18,13 @@ def reference_sla(c: np.ndarray, sps, floors: np.ndarray, base_tokens: int = 0) 
     """The stopping rule of `vllm_dspark.scheduling.sla`, one candidate at a time."""
     num_requests = c.shape[0]
     a = np.cumprod(c, axis=1)
+    # Priority: requests predicted below their floor with one draft rank earlier.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        first_speed = (1.0 + c[:, 0]) * float(sps(base_tokens + num_requests + 1))
+        weight = np.maximum(1.0, np.nan_to_num(floors / first_speed, posinf=1e6))
+    weight = weight / weight.max()
     slots = [(r, j + 1, a[r, j]) for r in range(num_requests) for j in range(c.shape[1])]
-    order = sorted((s for s in slots if s[2] > 0), key=lambda s: (-s[2], s[1], s[0]))
+    order = sorted((s for s in slots if s[2] > 0), key=lambda s: (-s[2] * weight[s[0]], s[1], s[0]))
     per_step = np.ones(num_requests)
     lengths = np.zeros(num_requests, dtype=np.int64)
 

@@ -84,13 +84,21 @@ def _descending_order(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, ranked
 
 
-def rank_candidates(c: np.ndarray) -> Ranking:
-    """Sort the draft slots of a checked [R, K] confidence array into scheduling order."""
+def rank_candidates(c: np.ndarray, weights: np.ndarray | None = None) -> Ranking:
+    """Sort the draft slots of a checked [R, K] confidence array into scheduling order.
+
+    `weights` (per request, >= 0) rank by a[r, j] * weights[r] instead of a[r, j]; a
+    per-request constant keeps each request's own slots in position order.
+    """
     # Position-major layout (flat index = (j-1) * R + r): sorting by a descending with ties
     # by flat index gives ties by j first and r second, exactly the documented order.
     table = np.cumprod(c.T, axis=0)
     survival = table.ravel()
-    order, ranked = _descending_order(survival)
+    if weights is None:
+        order, ranked = _descending_order(survival)
+    else:
+        order, _ = _descending_order((table * (weights / weights.max())).ravel())
+        ranked = survival[order]
     count = np.count_nonzero(survival)
     return Ranking(ranked[:count], order[:count], c.shape[0], table)
 

@@ -30,6 +30,13 @@ never reached shows up there as missing its floor if it does.
   speculation, slower for everyone. Floors that cannot be met usually mean overload, which
   admission control, not verification length, must fix; `SlaPlan.floor_met` reports it.
 A floor of 0 means no constraint; with all floors 0 the policy equals `dspark`.
+
+Priority. A request that asks for a higher floor than it is predicted to reach is moved
+forward in the scan: candidates are ranked by a[r, j] * g_r with
+g_r = max(1, floor_r / v_r(1)), v_r(1) its predicted speed with one draft verified. g_r is
+one number per request and reads only c[r, 1] (the committed anchor), so each request's
+slots stay in position order and the losslessness argument above is unchanged; without
+it, the early stop would usually end the scan before the slow request's slots come up.
 """
 
 from __future__ import annotations
@@ -84,7 +91,10 @@ def plan_sla(
     if c.size == 0:
         speeds = np.full(num_requests, float(sps(np.asarray(base_tokens + num_requests))))
         return SlaPlan(np.zeros(num_requests, np.int64), speeds, speeds >= floors, speeds.sum())
-    ranking = rank_candidates(c)
+    first_draft_speed = (1.0 + c[:, 0]) * float(sps(np.asarray(base_tokens + num_requests + 1)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        priority = np.maximum(1.0, np.nan_to_num(floors / first_draft_speed, posinf=1e6))
+    ranking = rank_candidates(c, priority)
     tau, steps = expected_throughput(ranking, sps, base_tokens)
     theta = tau * steps
     count = len(ranking.survival)
