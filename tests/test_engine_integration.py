@@ -183,3 +183,21 @@ def test_sla_priority_from_request_extra_args(tiny_target, baseline, tmp_path):
     chosen = 0
     prioritised = mean_verified_per_prompt({chosen: 400.0})
     assert prioritised[chosen] > plain[chosen] + 0.5, (plain, prioritised)
+
+
+def test_nan_confidences_fall_back_safely(tiny_target, fitted_drafter, baseline):
+    """NaN confidences (a broken confidence head) are replaced by 0: nothing is verified,
+    the engine keeps running and outputs stay exact."""
+    options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}}
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    original = runner.drafter.take_confidences
+
+    def poisoned():
+        rows = original()
+        return None if rows is None else [[float("nan")] * len(row) for row in rows]
+
+    runner.drafter.take_confidences = poisoned
+    assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
+    stats = engine_scheduler(llm).dspark_stats
+    assert stats.invalid_confidences > 0 and stats.verified == 0
