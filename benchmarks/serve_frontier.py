@@ -1,0 +1,188 @@
+"""Throughput against per-user speed in a real vLLM engine: vllm_dspark policies against
+no speculation, a static one-draft (MTP-1-like) and an all-K fixed-length baseline, and
+vLLM's n-gram speculation (the peer a CPU user can pick today).
+
+Each configuration gets its own in-process engine; for every concurrency R, R chat
+prompts (eval prompts, mixed domains) run at once with exactly `--max-tokens` output
+tokens each (ignore_eos), so per-user speed = max_tokens / wave time and system
+throughput = R * max_tokens / wave time. Writes JSON, Markdown and a Pareto plot.
+
+    python benchmarks/serve_frontier.py --drafter examples/drafters/smollm2-dspark-b7
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EVAL_DIR = REPO.parent / "shared" / "data" / "eval"
+RESULTS = REPO / "benchmarks" / "results"
+# SmolLM2 steps/s on these CPUs (ENVIRONMENT.md step table); --sps-profile overrides it.
+DEFAULT_SPS = [[1, 11.9], [2, 11.0], [4, 10.4], [8, 8.9], [16, 6.8], [32, 5.5], [64, 3.2], [128, 2.1]]
+
+
+def eval_prompts(count: int) -> list[list[dict]]:
+    """First user turns, round-robin over the three eval domains."""
+    per_file = []
+    for name in ("gsm8k.jsonl", "humaneval.jsonl", "mt-bench.jsonl"):
+        lines = (EVAL_DIR / name).read_text().splitlines()
+        per_file.append([json.loads(line)["turns"][0] for line in lines[:count]])
+    mixed = [turns[i] for i in range(count) for turns in per_file]
+    return [[{"role": "user", "content": text}] for text in mixed[:count]]
+
+
+def configurations(drafter: str, k: int, sps_table: list) -> dict[str, dict]:
+    def dspark(**plugin):
+        return {
+            "speculative_config": {"method": "vllm_dspark", "model": drafter, "num_speculative_tokens": k},
+            "additional_config": {"vllm_dspark": plugin},
+        }
+
+    return {
+        "no-spec": {},
+        "ngram-k3": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
+        "fixed-k1 (MTP-1-like)": dspark(policy="fixed", k=1),
+        f"fixed-k{k}": dspark(policy="fixed"),
+        "dspark": dspark(policy="dspark", sps_table=sps_table),
+        "dspark_async": dspark(policy="dspark_async", sps_table=sps_table),
+    }
+
+
+def run_configuration(target: str, settings: dict, concurrency: list[int], max_tokens: int) -> list[dict]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=target,
+        dtype="float32",
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        max_num_seqs=max(concurrency),
+        max_model_len=2048,
+        seed=0,
+        disable_log_stats=False,
+        **settings,
+    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.chat(eval_prompts(1), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    rows = []
+    for r in concurrency:
+        before = spec_counters(llm)
+        start = time.perf_counter()
+        outputs = llm.chat(eval_prompts(r), params, use_tqdm=False)
+        wave = time.perf_counter() - start
+        after = spec_counters(llm)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+        accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
+        verified = after.get("num_draft_tokens", 0) - before.get("num_draft_tokens", 0)
+        rows.append(
+            {
+                "concurrency": r,
+                "wave_seconds": wave,
+                "throughput_tok_s": tokens / wave,
+                "per_user_tok_s": max_tokens / wave,
+                "verified_drafts_per_step": verified / drafts if drafts else 0.0,
+                "accepted_length": 1.0 + accepted / drafts if drafts else 1.0,
+            }
+        )
+        print(f"  R={r:3d}: {tokens / wave:7.1f} tok/s total, {max_tokens / wave:6.2f} tok/s per user")
+    del llm
+    gc.collect()
+    return rows
+
+
+def spec_counters(llm) -> dict[str, int]:
+    counts = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode_num_") and hasattr(metric, "value"):
+            counts[metric.name.removeprefix("vllm:spec_decode_")] = int(metric.value)
+    return counts
+
+
+def write_results(results: dict, meta: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    lines = [
+        "# Serving frontier (real engine, CPU)",
+        "",
+        f"Target {meta['target']}, drafter {meta['drafter']}, K = {meta['k']}, {meta['max_tokens']} output "
+        f"tokens per request (greedy, ignore_eos), chat prompts from gsm8k/humaneval/mt-bench. "
+        f"Measured {meta['date']} on {meta['hardware']}; machine shared with other jobs, so compare "
+        "rows within one run.",
+        "",
+        "| configuration | R | system tok/s | per-user tok/s | accepted length | verified drafts/step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, rows in results.items():
+        for row in rows:
+            lines.append(
+                f"| {name} | {row['concurrency']} | {row['throughput_tok_s']:.1f} | {row['per_user_tok_s']:.2f} | "
+                f"{row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} |"
+            )
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for name, rows in results.items():
+        ax.plot([r["per_user_tok_s"] for r in rows], [r["throughput_tok_s"] for r in rows], "o-", label=name)
+        for r in rows:
+            ax.annotate(f"R={r['concurrency']}", (r["per_user_tok_s"], r["throughput_tok_s"]), fontsize=7)
+    ax.set(xlabel="per-user tokens/s", ylabel="system tokens/s", title="throughput / interactivity (CPU, SmolLM2)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=None, help="default: the converted SmolLM2 checkpoint")
+    parser.add_argument("--drafter", default=str(REPO / "examples" / "drafters" / "smollm2-dspark-b7"))
+    parser.add_argument("--k", type=int, default=7)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--only", nargs="+", default=None, help="run only these configurations")
+    parser.add_argument("--sps-profile", default=None, help="SPS profile JSON (default: ENVIRONMENT.md table)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "serve_frontier")
+    args = parser.parse_args()
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm_dspark.engine_profile import hardware_name
+    from vllm_dspark.scheduling import SpsCurve
+    from vllm_dspark.targets.smollm2 import smollm2_checkpoint
+
+    target = args.target or str(smollm2_checkpoint())
+    sps = [list(p) for p in SpsCurve.load(args.sps_profile).points] if args.sps_profile else DEFAULT_SPS
+    configs = configurations(args.drafter, args.k, sps)
+    results = {}
+    for name, settings in configs.items():
+        if args.only and name not in args.only:
+            continue
+        print(f"{name}:")
+        results[name] = run_configuration(target, settings, args.concurrency, args.max_tokens)
+    meta = {
+        "target": target,
+        "drafter": args.drafter,
+        "k": args.k,
+        "max_tokens": args.max_tokens,
+        "sps": sps,
+        "hardware": hardware_name(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    write_results(results, meta, args.out)
+    print(f"wrote {args.out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
