@@ -131,6 +131,7 @@ def test_resume_continues_exactly(tiny_target: Path, features: tuple[Path, Path]
         main(train_argv(tiny_target, features[0], tmp_path / "resumed", *common))
     monkeypatch.setattr(train_module, "pack_batch", real_pack)
     assert main(train_argv(tiny_target, features[0], tmp_path / "resumed", "--steps", "6", "--save-every", "3", "--resume")) == 0
+    assert [r["step"] for r in read_log(tmp_path / "resumed")] == [1, 2, 3, 4, 5, 6]
     a = load_file(str(tmp_path / "straight" / "model.safetensors"))
     b = load_file(str(tmp_path / "resumed" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -182,7 +182,7 @@ def load_target(target_dir: Path) -> torch.nn.Module:
 
     if not (Path(target_dir) / "config.json").is_file():
         raise FeatureError(f"target checkpoint not found (no config.json): {target_dir}")
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
     return model.eval().requires_grad_(False)
 
 

@@ -211,6 +211,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "training %s: %d trainable parameters, %d usable sequences (%d on this rank), world %d, steps %d..%d",
             config.architectures[0], num_params, len(usable), len(shard), world, start_step, args.steps,
         )
+    if is_main and start_step:
+        truncate_log(out / LOG_FILE, start_step)
     log_file = open(out / LOG_FILE, "a", encoding="utf-8") if is_main else None
     bar = tqdm(total=args.steps, initial=start_step, desc="train", disable=not is_main, dynamic_ncols=True)
     recent: list[dict[str, float]] = []
@@ -228,12 +230,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         optimizer.step()
 
-        anchors = batch.num_blocks * world
+        anchors, row = step_stats(batch.num_blocks, losses, world)
         seconds = time.perf_counter() - t0
         total_anchors += anchors
         train_seconds += seconds
-        row = {k: float(losses[k].detach()) for k in LOGGED}
-        row["accept"] = float(losses["accept"].mean())
         recent = (recent + [row])[-20:]
         if is_main:
             mean = {k: sum(r[k] for r in recent) / len(recent) for k in row}
@@ -271,6 +271,23 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def step_stats(num_blocks: int, losses: dict[str, torch.Tensor], world: int) -> tuple[int, dict[str, float]]:
+    """Blocks of this step over all ranks and the loss terms averaged over ranks."""
+    values = torch.stack([torch.tensor(float(num_blocks))] + [losses[k].detach() for k in LOGGED]
+                         + [losses["accept"].mean()])
+    if world > 1:
+        dist.all_reduce(values)
+        values[1:] /= world
+    return int(values[0]), dict(zip((*LOGGED, "accept"), values[1:].tolist()))
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop log rows written after the checkpoint a run resumes from."""
+    if path.is_file():
+        rows = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(row + "\n" for row in rows))
+
+
 def check_replicas_equal(drafter: DSparkDrafter, rank: int, world: int) -> None:
     """DDP keeps replicas equal; verify before saving, since a silent drift would make the
     saved weights (rank 0's) differ from what the other ranks trained."""
@@ -290,9 +307,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.init is not None and any(o is not None for o in drafter_options):
         print("train: give either --init or drafter options (--num-layers ...), not both", file=sys.stderr)
         return 2
-    if args.resume and not (Path(args.out) / CHECKPOINT_DIR / TRAINER_STATE).is_file():
-        print(f"train: --resume but no checkpoint in {Path(args.out) / CHECKPOINT_DIR}", file=sys.stderr)
-        return 1
     try:
         summary = train(args)
     except (FeatureError, ConfigError, OSError) as exc:
