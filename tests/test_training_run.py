@@ -20,7 +20,7 @@ from vllm_dspark.cli import main
 from vllm_dspark.model.drafter import DSparkDrafter
 from vllm_dspark.model.target_features import capture_target_states
 from vllm_dspark.training import train as train_module
-from vllm_dspark.training.features import FeatureStore, heldout_score, read_index
+from vllm_dspark.training.features import FeatureStore, OnTheFlyFeatures, heldout_score, read_index
 
 DRAFTER = ["--num-layers", "1", "--block-size", "4", "--markov-rank", "16"]
 HELDOUT_FRAC = 0.25
@@ -137,11 +137,14 @@ def test_resume_continues_exactly(tiny_target: Path, features: tuple[Path, Path]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_on_the_fly_features(tiny_target: Path, tiny_data: Path, tmp_path: Path) -> None:
+def test_on_the_fly_features(tiny_target: Path, tiny_data: Path, features: tuple[Path, Path], tmp_path: Path) -> None:
     argv = ["train", "--target", str(tiny_target), "--data", str(tiny_data), "--out", str(tmp_path / "d"),
-            *DRAFTER, "--steps", "2", "--batch-seqs", "2", "--anchors-per-seq", "4"]
+            *DRAFTER, "--steps", "2", "--batch-seqs", "2", "--anchors-per-seq", "4", "--heldout-frac", str(HELDOUT_FRAC)]
     assert main(argv) == 0
     assert len(read_log(tmp_path / "d")) == 2
+    live = OnTheFlyFeatures(tiny_target, tiny_data, [0, 1, 2, 3], 2048, HELDOUT_FRAC)
+    cached = FeatureStore(features[0])
+    assert sorted(live.lengths()) == sorted(cached.lengths())  # the same training split
 
 
 def test_torchrun_two_processes_keep_identical_weights(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path) -> None:

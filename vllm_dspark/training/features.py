@@ -308,16 +308,18 @@ class OnTheFlyFeatures:
     """Runs the target for each requested sequence instead of reading a cache: no disk,
     but every epoch pays the target forward again. Only token ids stay in memory."""
 
-    def __init__(self, target_dir: Path, data: Path, layer_ids: list[int], max_seq_len: int) -> None:
+    def __init__(
+        self, target_dir: Path, data: Path, layer_ids: list[int], max_seq_len: int, heldout_frac: float = 0.0
+    ) -> None:
         self.layer_ids = list(layer_ids)
         self.fingerprint = target_fingerprint(target_dir)
-        self.records = [
-            (torch.tensor(r.input_ids, dtype=torch.int32), r.response_start)
-            for r in iter_records(data, max_seq_len)
-        ]
+        self.records = []
+        for record in iter_records(data, max_seq_len):
+            if heldout_score(record.id) >= heldout_frac:  # never train on the calibration split
+                check_vocabulary(record, self.fingerprint["vocab_size"], data)
+                self.records.append((torch.tensor(record.input_ids, dtype=torch.int32), record.response_start))
         if not self.records:
             raise FeatureError(f"no usable records in {data}")
-        check_token_ids(self.records, self.fingerprint["vocab_size"], data)
         self.model = load_target(target_dir)
 
     def __len__(self) -> int:
@@ -332,13 +334,12 @@ class OnTheFlyFeatures:
         return SequenceFeatures(ids.long(), context, last, start)
 
 
-def check_token_ids(records: list[tuple[torch.Tensor, int]], vocab_size: int, where: Path) -> None:
-    for ids, _ in records:
-        if int(ids.max()) >= vocab_size:
-            raise FeatureError(
-                f"{where} holds token id {int(ids.max())}, the target's vocabulary has {vocab_size} "
-                "entries: the data was tokenised for a different model"
-            )
+def check_vocabulary(record: TokenRecord, vocab_size: int, where: Path) -> None:
+    if max(record.input_ids) >= vocab_size:
+        raise FeatureError(
+            f"record {record.id} in {where} holds token id {max(record.input_ids)}, the target's "
+            f"vocabulary has {vocab_size} entries: the data was tokenised for a different model"
+        )
 
 
 # ------------------------------------------------------------------ extraction
@@ -425,11 +426,7 @@ def extract_features(
             stats.skipped_done += 1
             bar.update(1)
             continue
-        if max(record.input_ids) >= vocab:
-            raise FeatureError(
-                f"record {record.id} in {data} holds token id {max(record.input_ids)}, the target's "
-                f"vocabulary has {vocab} entries: the data was tokenised for a different model"
-            )
+        check_vocabulary(record, vocab, data)
         writer.done_ids.add(record.id)  # duplicates of an id later in the file are skipped
         pending.append((record, writer))
         if sum(len(r.input_ids) for r, _ in pending) >= 8 * batch_tokens:

@@ -185,7 +185,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     else:
         drafter = build_drafter(args, store.layer_ids if store is not None else None)
     config = drafter.config
-    source: FeatureSource = store or OnTheFlyFeatures(args.target, args.data, config.target_layer_ids, args.max_seq_len)
+    source: FeatureSource = store or OnTheFlyFeatures(
+        args.target, args.data, config.target_layer_ids, args.max_seq_len, args.heldout_frac
+    )
     check_source_fits(source, config, args.target, str(args.features or args.data))
 
     usable = usable_sequences(source, config.block_size)
@@ -331,6 +333,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--features", type=Path, help="feature directory from extract-features")
     source.add_argument("--data", type=Path, help="generate-data JSONL: run the target on the fly instead")
     parser.add_argument("--max-seq-len", type=_positive_int, default=2048, help="with --data")
+    parser.add_argument("--heldout-frac", type=float, default=0.0,
+                        help="with --data: leave out the records extract-features puts in a held-out split")
     parser.add_argument("--out", type=Path, required=True, help="output drafter directory (+ checkpoint/)")
     parser.add_argument("--init", type=Path, default=None, help="start from this drafter directory")
     parser.add_argument("--num-layers", type=_positive_int, default=None, help="new drafter (default 2)")
