@@ -20,7 +20,9 @@ def tiny_curve(tiny_target) -> SpsCurve:
 
 def test_profile_measures_every_batch_size(tiny_curve: SpsCurve, tiny_target, tmp_path):
     assert [b for b, _ in tiny_curve.points] == [1, 2, 4]
-    assert all(sps > 0 for _, sps in tiny_curve.points)
+    sps = [s for _, s in tiny_curve.points]
+    assert all(s > 0 for s in sps)
+    assert all(a >= b for a, b in zip(sps, sps[1:])), "more tokens per pass never run more steps/s"
     assert tiny_curve.metadata["model"] == str(tiny_target.resolve())
     assert {"dtype", "hardware", "vllm_version", "context_len"} <= tiny_curve.metadata.keys()
     out = tmp_path / "curve.json"

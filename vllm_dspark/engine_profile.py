@@ -113,11 +113,18 @@ def profile_engine(
         **engine_kwargs,
     )
     vocab_size = llm.llm_engine.model_config.get_vocab_size()
-    points = []
-    for batch in tqdm(sorted(batch_tokens), desc="profile SPS(B)", unit="batch"):
-        median = statistics.median(time_decode_steps(llm, batch, context_len, steps, vocab_size, seed))
-        points.append((batch, 1.0 / median))
-        logger.info("B=%d: %.1f ms per step, %.2f steps/s", batch, 1000 * median, 1.0 / median)
+    batches = sorted(batch_tokens)
+    medians = []
+    for batch in tqdm(batches, desc="profile SPS(B)", unit="batch"):
+        medians.append(statistics.median(time_decode_steps(llm, batch, context_len, steps, vocab_size, seed)))
+        logger.info("B=%d: %.1f ms per step measured", batch, 1000 * medians[-1])
+    # A pass with more tokens never costs less; an inversion is measurement noise (a
+    # shared machine), and a curve with one would make the policies chase it.
+    monotone = np.maximum.accumulate(medians)
+    for batch, measured, kept in zip(batches, medians, monotone):
+        if kept > measured:
+            logger.warning("B=%d: %.1f ms measured below a smaller batch; using %.1f ms", batch, 1000 * measured, 1000 * kept)
+    points = [(batch, 1.0 / float(seconds)) for batch, seconds in zip(batches, monotone)]
     metadata = profile_key(model, dtype) | {"context_len": str(context_len), "steps": str(steps)}
     return SpsCurve(points=points, metadata=metadata)
 
