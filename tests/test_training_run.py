@@ -101,16 +101,20 @@ def test_extract_resumes_without_redoing(tiny_target: Path, tiny_data: Path, fea
 # ---------------------------------------------------------------- training
 def test_short_training_lowers_loss(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path) -> None:
     out = tmp_path / "drafter"
-    assert main(train_argv(tiny_target, features[0], out, *DRAFTER, "--steps", "40", "--save-every", "0")) == 0
+    argv = train_argv(tiny_target, features[0], out, *DRAFTER, "--steps", "40", "--save-every", "0", "--save-dtype", "bfloat16")
+    assert main(argv) == 0
     log = read_log(out)
     assert len(log) == 40
     first = sum(r["total"] for r in log[:5]) / 5
     last = sum(r["total"] for r in log[-5:]) / 5
     assert last < 0.8 * first, (first, last)
     assert sum(r["tv"] for r in log[-5:]) < sum(r["tv"] for r in log[:5])
-    drafter = DSparkDrafter.from_pretrained(out, tiny_target)  # loadable, target weights not stored
-    assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))
-    assert drafter.config.block_size == 4
+    stored = load_file(str(out / "model.safetensors"))
+    assert "lm_head.weight" not in stored and "embed_tokens.weight" not in stored  # shared with the target
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    drafter = DSparkDrafter.from_pretrained(out, tiny_target)
+    assert drafter.fc.weight.dtype == torch.float32 and drafter.config.torch_dtype == "bfloat16"
+    assert torch.equal(drafter.fc.weight, stored["fc.weight"].float())
 
 
 def test_resume_continues_exactly(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path, monkeypatch) -> None:

@@ -139,7 +139,7 @@ def weights_digest(drafter: DSparkDrafter) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(drafter.trainable_state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().numpy().tobytes())
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -151,6 +151,14 @@ def save_checkpoint(out: Path, drafter: DSparkDrafter, optimizer: torch.optim.Op
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "settings": asdict(settings)}, tmp / TRAINER_STATE)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+
+
+def save_final(drafter: DSparkDrafter, out: Path, dtype: str) -> None:
+    """The trained drafter; bfloat16 halves its size (loaders cast to their own dtype),
+    while checkpoints stay float32 so that a resumed run continues exactly."""
+    drafter.to(getattr(torch, dtype))
+    drafter.config.torch_dtype = dtype
+    drafter.save_pretrained(out)
 
 
 def load_checkpoint(out: Path, target: Path, settings: RunSettings) -> tuple[DSparkDrafter, dict[str, Any]]:
@@ -256,7 +264,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 dist.barrier()
     bar.close()
     if is_main:
-        drafter.save_pretrained(out)
+        save_final(drafter, out, args.save_dtype)
         log_file.close()
     summary = {
         "steps": args.steps,
@@ -352,4 +360,6 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=100, help="checkpoint period in steps (0: end only)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    parser.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="dtype of the final drafter weights")
     parser.set_defaults(func=_run)
