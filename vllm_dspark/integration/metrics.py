@@ -50,8 +50,9 @@ class DSparkStats:
 
     @property
     def calibration_error(self) -> float:
-        """Relative gap between predicted and observed accepted drafts (0 = calibrated)."""
-        return (self.predicted_accepted - self.accepted) / max(1, self.accepted)
+        """Mean over verified drafts of predicted survival minus observed acceptance
+        (0 = calibrated, > 0 = over-confident)."""
+        return (self.predicted_accepted - self.accepted) / max(1, self.verified)
 
     def record_decision(self, proposed: np.ndarray, verified: np.ndarray) -> None:
         self.steps += 1
@@ -70,7 +71,7 @@ class DSparkStats:
             f"verified {self.verified}, pruned {self.pruned} "
             f"({100.0 * self.pruned / max(1, self.proposed):.1f}%), accepted {self.accepted} "
             f"(predicted {self.predicted_accepted:.1f}, calibration error "
-            f"{100.0 * self.calibration_error:+.1f}%), mean verification budget "
+            f"{self.calibration_error:+.3f} per verified draft), mean verification budget "
             f"{self.verified / max(1, self.verified_requests):.2f} tokens/request"
         )
 
@@ -109,7 +110,7 @@ def metric_families(stats: DSparkStats) -> list:
         families.append(family)
     gauge = GaugeMetricFamily(
         "vllm_dspark_calibration_error",
-        "(predicted - observed) / observed accepted draft tokens since start",
+        "Mean predicted survival minus observed acceptance over verified drafts since start",
         labels=labels,
     )
     gauge.add_metric(values, stats.calibration_error)

@@ -191,8 +191,11 @@ class DSparkScheduler(Scheduler):
         self._predictions.clear()
 
     def _publish(self) -> None:
+        """Snapshot for /metrics at most once a second, and whenever the engine goes idle
+        (so a scrape after the last request sees final numbers); a summary log line."""
         now = time.monotonic()
-        if self._metrics_file is not None and now - self._last_snapshot >= _SNAPSHOT_INTERVAL_S:
+        due = now - self._last_snapshot >= _SNAPSHOT_INTERVAL_S or not self.running
+        if self._metrics_file is not None and due:
             self._last_snapshot = now
             self.dspark_stats.write(self._metrics_file)
         if now - self._last_log >= self.dspark_options.log_interval_s:
