@@ -24,6 +24,14 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+def positive_int(value: str) -> int:
+    """argparse type for counts that must be at least 1."""
+    number = int(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-dspark",

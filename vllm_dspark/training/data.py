@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from vllm_dspark.cli import positive_int
+
 logger = logging.getLogger(__name__)
 
 # Open-PerfectBlend's mix as reported by the DSpark paper.
@@ -612,13 +614,6 @@ def generate_responses(
 # --------------------------------------------------------------------------- CLI
 
 
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return number
-
-
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add the `generate-data` subcommand."""
     parser = subparsers.add_parser(
@@ -629,13 +624,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                         help="HF checkpoint of the target (default: the SmolLM2 checkpoint)")
     parser.add_argument("--out", type=Path, default=Path("data/train.jsonl"),
                         help="JSONL output, appended to and resumed (default: data/train.jsonl)")
-    parser.add_argument("--num-prompts", type=_positive_int, default=6000)
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    parser.add_argument("--num-prompts", type=positive_int, default=6000)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=_positive_int, default=32,
+    parser.add_argument("--batch-size", type=positive_int, default=32,
                         help="concurrent requests in the engine")
-    parser.add_argument("--max-model-len", type=_positive_int, default=2048)
+    parser.add_argument("--max-model-len", type=positive_int, default=2048)
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--eval-dir", type=Path, default=None,
                         help="evaluation prompts to keep out of training "

@@ -34,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from vllm_dspark.cli import positive_int
 from vllm_dspark.config import ConfigError, DrafterConfig
 from vllm_dspark.model.drafter import read_target_config
 from vllm_dspark.model.init_drafter import spread_layer_ids
@@ -468,13 +469,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return number
-
-
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "extract-features", help="run the target once and cache drafter training features (bf16 shards)"
@@ -488,11 +482,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                         help="feature directory for the held-out split (calibration)")
     parser.add_argument("--heldout-frac", type=float, default=0.0,
                         help="share of records (by id hash) that go to --heldout-out")
-    parser.add_argument("--max-seq-len", type=_positive_int, default=2048)
-    parser.add_argument("--max-tokens", type=_positive_int, default=None,
+    parser.add_argument("--max-seq-len", type=positive_int, default=2048)
+    parser.add_argument("--max-tokens", type=positive_int, default=None,
                         help="stop once this many tokens are stored (both splits)")
-    parser.add_argument("--batch-tokens", type=_positive_int, default=2048,
+    parser.add_argument("--batch-tokens", type=positive_int, default=2048,
                         help="padded tokens per target forward pass")
-    parser.add_argument("--shard-tokens", type=_positive_int, default=32768,
+    parser.add_argument("--shard-tokens", type=positive_int, default=32768,
                         help="tokens per shard file (bounds memory)")
     parser.set_defaults(func=_run)

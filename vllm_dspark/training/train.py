@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from vllm_dspark.cli import positive_int
 from vllm_dspark.config import ConfigError
 from vllm_dspark.model.drafter import DSparkDrafter
 from vllm_dspark.model.init_drafter import drafter_config_for_target, init_weights
@@ -327,36 +328,29 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return number
-
-
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="train a DSpark/DFlash drafter (also under torchrun)")
     parser.add_argument("--target", type=Path, required=True, help="HF target checkpoint directory")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--features", type=Path, help="feature directory from extract-features")
     source.add_argument("--data", type=Path, help="generate-data JSONL: run the target on the fly instead")
-    parser.add_argument("--max-seq-len", type=_positive_int, default=2048, help="with --data")
+    parser.add_argument("--max-seq-len", type=positive_int, default=2048, help="with --data")
     parser.add_argument("--heldout-frac", type=float, default=0.0,
                         help="with --data: leave out the records extract-features puts in a held-out split")
     parser.add_argument("--out", type=Path, required=True, help="output drafter directory (+ checkpoint/)")
     parser.add_argument("--init", type=Path, default=None, help="start from this drafter directory")
-    parser.add_argument("--num-layers", type=_positive_int, default=None, help="new drafter (default 2)")
-    parser.add_argument("--block-size", type=_positive_int, default=None, help="new drafter (default 7)")
+    parser.add_argument("--num-layers", type=positive_int, default=None, help="new drafter (default 2)")
+    parser.add_argument("--block-size", type=positive_int, default=None, help="new drafter (default 7)")
     parser.add_argument("--markov-rank", type=int, default=None, help="new drafter (default 64; 0 = DFlash)")
     parser.add_argument("--markov-head-type", choices=["vanilla", "gated", "rnn"], default=None)
-    parser.add_argument("--steps", type=_positive_int, required=True)
+    parser.add_argument("--steps", type=positive_int, required=True)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--min-lr-frac", type=float, default=0.1, help="cosine floor, as a share of --lr")
     parser.add_argument("--warmup-frac", type=float, default=0.04)
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--grad-clip", type=float, default=1.0)
-    parser.add_argument("--batch-seqs", type=_positive_int, default=4, help="sequences per step and rank")
-    parser.add_argument("--anchors-per-seq", type=_positive_int, default=32)
+    parser.add_argument("--batch-seqs", type=positive_int, default=4, help="sequences per step and rank")
+    parser.add_argument("--anchors-per-seq", type=positive_int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=100, help="checkpoint period in steps (0: end only)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
