@@ -1,0 +1,40 @@
+"""The committed SmolLM2 drafters load and serve through the plugin, losslessly, with
+drafts actually accepted (they are trained, unlike the drafters of the other tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import engine_scheduler, make_llm, spec_counters
+from vllm_dspark.model.drafter import DSparkDrafter
+
+DRAFTERS = Path(__file__).resolve().parents[1] / "examples" / "drafters"
+COMMITTED = ["smollm2-dspark-b7"]
+PROMPTS = [
+    [{"role": "user", "content": "What is 15 plus 27? Answer with the number."}],
+    [{"role": "user", "content": "Write a Python function that returns the square of x."}],
+]
+SPS_TABLE = [[1, 11.9], [2, 11.0], [4, 10.4], [8, 8.9], [16, 6.8], [32, 5.5], [64, 3.2], [128, 2.1]]
+
+
+@pytest.mark.parametrize("name", COMMITTED)
+def test_committed_drafter_serves_losslessly(name, smollm2_target):
+    from vllm import SamplingParams
+
+    drafter = DRAFTERS / name
+    DSparkDrafter.from_pretrained(drafter, smollm2_target)  # fits the target, weights complete
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+
+    def run(spec, options=None):
+        llm = make_llm(smollm2_target, spec, options)
+        outputs = [list(o.outputs[0].token_ids) for o in llm.chat(PROMPTS, params, use_tqdm=False)]
+        return llm, outputs
+
+    _, plain = run(None)
+    spec = {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": 7}
+    llm, speculative = run(spec, {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}})
+    assert speculative == plain
+    assert spec_counters(llm)["num_accepted_tokens"] > 0
+    assert engine_scheduler(llm).dspark_stats.accepted > 0
