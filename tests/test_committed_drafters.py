@@ -11,7 +11,7 @@ from tests.tiny_models import engine_scheduler, make_llm, spec_counters
 from vllm_dspark.model.drafter import DSparkDrafter
 
 DRAFTERS = Path(__file__).resolve().parents[1] / "examples" / "drafters"
-COMMITTED = ["smollm2-dspark-b7"]
+COMMITTED = ["smollm2-dspark-b7", "smollm2-dflash-b7"]
 PROMPTS = [
     [{"role": "user", "content": "What is 15 plus 27? Answer with the number."}],
     [{"role": "user", "content": "Write a Python function that returns the square of x."}],
