@@ -22,11 +22,15 @@ The default size (10 prompts per dataset, 96 new tokens per turn, 12 cells) take
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
+import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -50,6 +54,25 @@ CELL_FIELDS = (
     "mean_confidence_by_position", "prefix_survival_by_position",
     "mean_prefix_confidence_by_position", "prefix_confidence_ece", "wall_seconds",
 )
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """One run per output directory: two runs would overwrite each other's cells and traces."""
+    with lock_path.open("a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            raise SystemExit(f"another acceptance run (pid {handle.read().strip() or '?'}) holds {lock_path}; "
+                             "wait for it to finish or pass another --out-dir") from None
+        handle.truncate(0)
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        try:
+            yield
+        finally:
+            lock_path.unlink(missing_ok=True)
 
 
 def parse_drafter(text: str) -> tuple[str, Path]:
@@ -265,6 +288,11 @@ def main() -> None:
     cell_dir, trace_dir = args.out_dir / "acceptance_cells", args.out_dir / "traces"
     cell_dir.mkdir(parents=True, exist_ok=True)
     trace_dir.mkdir(parents=True, exist_ok=True)
+    with exclusive(cell_dir / ".lock"):
+        run_all(args, names, cell_dir, trace_dir)
+
+
+def run_all(args: argparse.Namespace, names: list[str], cell_dir: Path, trace_dir: Path) -> None:
     start = time.perf_counter()
     results: dict[str, dict[str, dict[str, dict]]] = {}
     for name, path in args.drafter:
