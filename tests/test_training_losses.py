@@ -142,3 +142,13 @@ def test_sts_lowers_ece_on_overconfident_data() -> None:
     assert temps[0] == pytest.approx(3.0, rel=0.1)
     assert all(a < 0.3 * b for a, b in zip(after, before)), (before, after)
     assert max(after) < 0.01
+
+
+def test_sts_keeps_temperature_one_where_ece_is_flat() -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5000, 2, generator=generator)
+    logits[:, 1] -= 8.0  # position 2 predicts ~3e-4 and never survives:
+    survival = torch.stack([torch.sigmoid(logits[:, 0]), torch.zeros(5000)], dim=1)
+    # the smallest temperature "wins" by a margin far below any meaningful ECE difference.
+    assert sequential_temperature_scaling(logits, survival, tolerance=0.0)[1] < 0.1
+    assert sequential_temperature_scaling(logits, survival)[1] == pytest.approx(1.0)

@@ -52,17 +52,27 @@ def survival_curves(conf_logits: torch.Tensor, temperatures: list[float]) -> tor
 
 
 def sequential_temperature_scaling(
-    conf_logits: torch.Tensor, survival: torch.Tensor, bins: int = 15, grid: torch.Tensor = TEMPERATURE_GRID
+    conf_logits: torch.Tensor,
+    survival: torch.Tensor,
+    bins: int = 15,
+    grid: torch.Tensor = TEMPERATURE_GRID,
+    tolerance: float = 1e-3,
 ) -> list[float]:
-    """T_1..T_K, each chosen by grid search with the earlier ones fixed."""
+    """T_1..T_K, each chosen by grid search with the earlier ones fixed.
+
+    Among temperatures whose ECE is within `tolerance` of the best, the one closest to 1
+    wins: late positions survive so rarely that their ECE is tiny and flat in T, and a
+    plain argmin there picks extreme temperatures (0.03) that would turn c_k into 0/1
+    at serving time on prompts where the drafter does survive that far."""
     temperatures: list[float] = []
     prefix = torch.ones(len(conf_logits), dtype=conf_logits.dtype)
     for k in range(conf_logits.shape[1]):
-        eces = [
+        eces = torch.tensor([
             expected_calibration_error(prefix * torch.sigmoid(conf_logits[:, k] / t), survival[:, k], bins)
             for t in grid.tolist()
-        ]
-        best = float(grid[min(range(len(eces)), key=eces.__getitem__)])
+        ])
+        near_best = eces <= eces.min() + tolerance
+        best = float(grid[near_best][grid[near_best].log().abs().argmin()])
         temperatures.append(best)
         prefix = prefix * torch.sigmoid(conf_logits[:, k] / best)
     return temperatures
@@ -125,7 +135,14 @@ def reliability_diagram(
 
 
 def calibrate(
-    target: Path, drafter_dir: Path, features: Path, out: Path, png: Path | None, anchors_per_seq: int, bins: int
+    target: Path,
+    drafter_dir: Path,
+    features: Path,
+    out: Path,
+    png: Path | None,
+    anchors_per_seq: int,
+    bins: int,
+    tolerance: float,
 ) -> dict:
     drafter = DSparkDrafter.from_pretrained(drafter_dir, target)
     if drafter.confidence_head is None:
@@ -134,13 +151,14 @@ def calibrate(
     check_source_fits(store, drafter.config, target, str(features))
     conf_logits, accept = collect_confidences(drafter, store, anchors_per_seq)
     survival = torch.cumprod(accept, dim=1)
-    temperatures = sequential_temperature_scaling(conf_logits, survival, bins)
+    temperatures = sequential_temperature_scaling(conf_logits, survival, bins, tolerance=tolerance)
     k = drafter.config.block_size
     report = {
         "blocks": len(conf_logits),
         "sequences": len(store),
         "observed_survival": "product of exact acceptance probabilities (teacher forcing)",
         "bins": bins,
+        "ece_tolerance": tolerance,
         "temperatures": [round(t, 4) for t in temperatures],
         "ece_before": ece_per_position(conf_logits, survival, [1.0] * k, bins),
         "ece_after": ece_per_position(conf_logits, survival, temperatures, bins),
@@ -160,7 +178,9 @@ def calibrate(
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        report = calibrate(args.target, args.drafter, args.features, args.out, args.png, args.anchors_per_seq, args.bins)
+        report = calibrate(
+            args.target, args.drafter, args.features, args.out, args.png, args.anchors_per_seq, args.bins, args.ece_tolerance
+        )
     except (FeatureError, ConfigError, OSError) as exc:
         print(f"calibrate: {exc}", file=sys.stderr)
         return 1
@@ -183,4 +203,6 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--png", type=Path, default=None, help="reliability diagram to write")
     parser.add_argument("--anchors-per-seq", type=int, default=64, help="blocks per held-out sequence")
     parser.add_argument("--bins", type=int, default=15, help="ECE bins")
+    parser.add_argument("--ece-tolerance", type=float, default=1e-3,
+                        help="prefer the temperature closest to 1 among those this close to the best ECE")
     parser.set_defaults(func=_run)

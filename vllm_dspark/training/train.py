@@ -194,6 +194,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     else:
         drafter = build_drafter(args, store.layer_ids if store is not None else None)
     config = drafter.config
+    config.num_anchors = args.anchors_per_seq  # recorded in config.json (training only)
     source: FeatureSource = store or OnTheFlyFeatures(
         args.target, args.data, config.target_layer_ids, args.max_seq_len, args.heldout_frac
     )
@@ -264,6 +265,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if world > 1:
                 dist.barrier()
     bar.close()
+    digest = weights_digest(drafter)  # of the trained fp32 weights, as checked across ranks
     if is_main:
         save_final(drafter, out, args.save_dtype)
         log_file.close()
@@ -274,7 +276,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "train_seconds": round(train_seconds, 1),
         "anchors_per_s": round(total_anchors / train_seconds, 2) if train_seconds else 0.0,
         "final": {k: round(sum(r[k] for r in recent) / len(recent), 4) for k in recent[0]} if recent else {},
-        "digest": weights_digest(drafter),
+        "digest": digest,
     }
     if world > 1:
         dist.barrier()
