@@ -28,7 +28,9 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -48,9 +50,12 @@ DEFAULT_DRAFTERS = (
 )
 # DSPARK.md section 5, Qwen3-8B, gamma 7, temperature 1: DSpark / DFlash tau.
 PAPER = {"gsm8k": (6.17, 5.33), "humaneval": (5.52, 4.64), "mt-bench": (3.72, 3.11)}
+# A position's conditional acceptance over fewer judged drafts is too noisy to plot or
+# average (it is still listed, marked, in the tables).
+MIN_JUDGED = 20
 # Per-cell fields copied into acceptance.json (the cell files keep everything).
 CELL_FIELDS = (
-    "tau", "tau_stderr", "rounds", "tokens_generated", "acceptance_by_position",
+    "tau", "tau_stderr", "rounds", "tokens_generated", "acceptance_by_position", "reached_by_position",
     "mean_confidence_by_position", "prefix_survival_by_position",
     "mean_prefix_confidence_by_position", "prefix_confidence_ece", "wall_seconds",
 )
@@ -76,10 +81,20 @@ def exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def parse_drafter(text: str) -> tuple[str, Path]:
+    """Absolute paths, so a stored cell is found again whatever the working directory."""
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
-    return name, Path(path)
+    return name, Path(path).resolve()
+
+
+def shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def judged(cell: dict, field: str) -> list[float | None]:
+    """Per-position values, None where fewer than MIN_JUDGED drafts were judged."""
+    return [v if n >= MIN_JUDGED else None for v, n in zip(cell[field], cell["reached_by_position"])]
 
 
 def fingerprint(drafter: Path) -> str:
@@ -162,7 +177,8 @@ def plot_by_position(results: dict, names: list[str], datasets: list[str], out: 
             ax = axes[row][col]
             for i, name in enumerate(names):
                 cell = results[name][temp][ds]
-                rates, conf = cell["acceptance_by_position"], cell["mean_confidence_by_position"]
+                rates = judged(cell, "acceptance_by_position")
+                conf = judged(cell, "mean_confidence_by_position")
                 positions = range(1, len(rates) + 1)
                 ax.plot(positions, [math.nan if r is None else r for r in rates], "o-", color=colors[i],
                         label=f"{name} acceptance")
@@ -182,10 +198,11 @@ def plot_by_position(results: dict, names: list[str], datasets: list[str], out: 
 
 
 def position_trends(by_temp: dict[str, dict[str, dict]]) -> dict[str, list[float | None]]:
-    """Conditional acceptance per position, averaged over the datasets that reach it."""
+    """Conditional acceptance per position, averaged over the datasets that reach it
+    (MIN_JUDGED times)."""
     trends = {}
     for temp, cells in by_temp.items():
-        columns = zip(*(c["acceptance_by_position"] for c in cells.values()))
+        columns = zip(*(judged(c, "acceptance_by_position") for c in cells.values()))
         trends[temp] = [None if not (v := [x for x in col if x is not None]) else sum(v) / len(v) for col in columns]
     return trends
 
@@ -200,10 +217,11 @@ def write_markdown(summary: dict, results: dict, names: list[str], datasets: lis
     lines = [
         "# Offline accepted length: SmolLM2-135M-Instruct target",
         "",
-        f"Produced by `python benchmarks/acceptance.py` (chain drafting, fixed K = {args.block_size or 'block size'}, "
-        f"exact rejection sampling; {args.num_prompts} prompts per dataset, {args.max_new_tokens} new tokens per "
-        f"turn, seed {args.seed}). tau counts the bonus token; ± is the standard error clustered by prompt.",
-        "Drafters: " + ", ".join(f"`{n}` = `{p}`" for n, p in args.drafter) + ".",
+        f"Produced by `{shlex.join(['python', 'benchmarks/acceptance.py', *args.argv])}` (chain drafting, "
+        f"fixed K = {args.block_size or 'block size'}, exact rejection sampling; {args.num_prompts} prompts per "
+        f"dataset, {args.max_new_tokens} new tokens per turn, seed {args.seed}). tau counts the bonus token; ± is "
+        "the standard error clustered by prompt.",
+        "Drafters: " + ", ".join(f"`{n}` = `{shown(p)}`" for n, p in args.drafter) + ".",
         "",
     ]
     for temp in results[first]:
@@ -226,11 +244,12 @@ def write_markdown(summary: dict, results: dict, names: list[str], datasets: lis
         for name in names:
             for ds in datasets:
                 cell = results[name][temp][ds]
+                marks = ["*" if 0 < n < MIN_JUDGED else "" for n in cell["reached_by_position"]]
                 lines.append(f"| {name} | {ds} | " + " | ".join(
-                    f"{fmt(a)} ({fmt(c)})" for a, c in zip(cell["acceptance_by_position"],
-                                                          cell["mean_confidence_by_position"]))
+                    f"{fmt(a)}{m} ({fmt(c)})" for a, m, c in zip(cell["acceptance_by_position"], marks,
+                                                                 cell["mean_confidence_by_position"]))
                     + f" | {fmt(cell['prefix_confidence_ece'], 3)} |")
-        lines.append("")
+        lines += ["", f"\\* fewer than {MIN_JUDGED} judged drafts: left out of the figure and the averages below.", ""]
     paper = [p[0] / p[1] for p in PAPER.values()]
     seconds = sum(c["wall_seconds"] for temps in results.values() for cells in temps.values() for c in cells.values())
     lines += [
@@ -272,6 +291,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (see `vllm-dspark eval --help`)")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
+    args.argv = sys.argv[1:]
     args.drafter = args.drafter or [parse_drafter(d) for d in DEFAULT_DRAFTERS]
     names = [name for name, _ in args.drafter]
     if len(names) != 2 or names[0] == names[1]:
