@@ -190,9 +190,10 @@ def plot_by_position(results: dict, names: list[str], datasets: list[str], out: 
             ax.set_ylim(0, 1)
             ax.grid(alpha=0.3)
         axes[row][0].set_ylabel("P(accept k | 1..k-1 accepted)")
-    axes[0][-1].legend(fontsize=7, loc="lower left")
-    fig.suptitle("Conditional acceptance by draft position (SmolLM2-135M target)")
-    fig.tight_layout()
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=2 * len(names), fontsize=8)
+    fig.suptitle(f"Conditional acceptance by draft position (SmolLM2-135M target; positions with < {MIN_JUDGED} "
+                 "judged drafts left out)")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(out, dpi=120)
     plt.close(fig)
 
