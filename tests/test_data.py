@@ -110,20 +110,11 @@ def test_cli_rejects_bad_inputs(tmp_path: Path, capsys) -> None:
         assert "must be a positive integer" in capsys.readouterr().err
 
 
-def test_real_generation_and_resume(tmp_path: Path, monkeypatch) -> None:
+def test_real_generation_and_resume(tmp_path: Path) -> None:
     from vllm_dspark.targets.smollm2 import smollm2_checkpoint
 
     cache = REPO / ".cache"
-    for key, value in {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
-        "VLLM_CONFIG_ROOT": str(cache / "vllm-config"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-    }.items():
-        monkeypatch.setenv(key, value)
+    # tests/conftest.py sets the vLLM environment (caches in .cache, offline, CPU KV space).
     target = smollm2_checkpoint(os.environ.get("VLLM_DSPARK_CACHE") or cache / "vllm-dspark")
     prompts = [
         data.PromptItem("chat-t-1", "chat", "test", "What is the capital of France?"),

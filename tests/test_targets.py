@@ -117,19 +117,8 @@ def test_checkpoint_contents(checkpoint: Path) -> None:
     assert tokenizer.eos_token == "<|im_end|>"
 
 
-def test_vllm_greedy_chat(checkpoint: Path, tmp_path: Path, monkeypatch) -> None:
-    cache = REPO / ".cache"
-    for key, value in {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
-        "VLLM_CONFIG_ROOT": str(cache / "vllm-config"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-    }.items():
-        monkeypatch.setenv(key, value)
+def test_vllm_greedy_chat(checkpoint: Path, tmp_path: Path) -> None:
+    # tests/conftest.py sets the vLLM environment (caches in .cache, offline, CPU KV space).
     from vllm import LLM, SamplingParams
 
     llm = LLM(
