@@ -158,10 +158,10 @@ def test_torchrun_two_processes_keep_identical_weights(tiny_target: Path, featur
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    digests = re.findall(r"rank (\d)/2: weights digest (\w+)", proc.stderr)
-    assert {r for r, _ in digests} == {"0", "1"}
-    final = {rank: d for rank, d in digests[-2:]}
-    assert len(final) == 2 and final["0"] == final["1"], digests
+    digests = re.findall(r"rank (\d)/2: weights digest ([0-9a-f]{16})", proc.stderr)
+    by_rank = {rank: [d for r, d in digests if r == rank] for rank in ("0", "1")}
+    assert all(len(d) == 2 for d in by_rank.values()), digests  # checked at both checkpoints
+    assert by_rank["0"] == by_rank["1"], digests
     assert len(read_log(out)) == 4 and all(r["anchors"] == 2 * 4 * 8 for r in read_log(out))
 
 

@@ -305,7 +305,9 @@ def check_replicas_equal(drafter: DSparkDrafter, rank: int, world: int) -> None:
     """DDP keeps replicas equal; verify before saving, since a silent drift would make the
     saved weights (rank 0's) differ from what the other ranks trained."""
     digest = weights_digest(drafter)
-    print(f"rank {rank}/{world}: weights digest {digest}", file=sys.stderr, flush=True)
+    # One write(2) per line: a pipe shared by all ranks keeps writes under PIPE_BUF whole,
+    # whereas print() may split text and newline and interleave with another rank's line.
+    os.write(sys.stderr.fileno(), f"rank {rank}/{world}: weights digest {digest}\n".encode())
     if world > 1:
         digests: list[str] = [""] * world
         dist.all_gather_object(digests, digest)
