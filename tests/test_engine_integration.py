@@ -201,3 +201,32 @@ def test_nan_confidences_fall_back_safely(tiny_target, fitted_drafter, baseline)
     assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
     stats = engine_scheduler(llm).dspark_stats
     assert stats.invalid_confidences > 0 and stats.verified == 0
+
+
+def test_dspark_async_admission_runs_through_the_kernel_entry_point(tiny_target, fitted_drafter, baseline, monkeypatch):
+    """With kernels enabled the scheduler hands dspark_async's top-budget selection to the
+    admission kernel's entry point; here its PyTorch reference on CPU stands in for the GPU."""
+    import torch
+
+    from vllm_dspark.integration import scheduler as scheduler_module
+    from vllm_dspark.kernels import dispatch
+    from vllm_dspark.scheduling.ranking import lengths_of_prefix, rank_candidates
+
+    calls: list[tuple[np.ndarray, int, np.ndarray]] = []
+    entry = dispatch.admission_lengths
+
+    def spy(conf, budget, use_kernel=None):
+        lengths = entry(conf, budget, use_kernel=False)
+        calls.append((conf.numpy().copy(), budget, lengths.numpy().copy()))
+        return lengths
+
+    monkeypatch.setattr(scheduler_module, "admission_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(dispatch, "admission_lengths", spy)
+    options = {"vllm_dspark": {"policy": "dspark_async", "sps_table": SPS_TABLE}}
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
+    assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
+    assert len(calls) > 1, "every step after the first should select on the device path"
+    for conf, budget, lengths in calls:
+        assert lengths.tolist() == lengths_of_prefix(rank_candidates(conf), budget).tolist()
+    verified = [d.verified for d in engine_scheduler(llm).recent_decisions]
+    assert any(0 < v.sum() < v.size * K for v in verified), "budgets should cut some blocks short"

@@ -65,3 +65,16 @@ def test_engine_uses_fused_head_when_enabled(tiny_target, tmp_path, monkeypatch)
     assert calls, "the proposer should call the fused head when kernels are enabled"
     monkeypatch.setenv(dispatch.FORCE_REFERENCE_ENV, "1")
     assert not checks(), "the switch forces the PyTorch reference"
+
+
+def test_admission_never_creates_a_cuda_context(monkeypatch):
+    """A scheduler-only process (multiprocess executor) keeps admission in NumPy even when
+    kernels are enabled: a CUDA context there would cost GPU memory for nothing."""
+    from vllm_dspark.integration.scheduler import admission_device
+
+    monkeypatch.setattr(dispatch, "triton_kernels_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert admission_device() is None
+    monkeypatch.setattr(dispatch, "triton_kernels_enabled", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert admission_device() is None

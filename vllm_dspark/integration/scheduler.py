@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
@@ -21,6 +22,7 @@ from vllm.v1.request import Request
 from vllm_dspark.config import AUTO_PROFILE, PluginOptions
 from vllm_dspark.engine_profile import cached_profile_path, profile_key
 from vllm_dspark.integration.metrics import METRICS_FILE_KEY, DSparkStats
+from vllm_dspark.kernels import dispatch
 from vllm_dspark.scheduling import SpsCurve, dspark_budget, select_verify_lengths
 
 logger = logging.getLogger(__name__)
@@ -52,12 +54,14 @@ class DSparkScheduler(Scheduler):
         # Per request verified this step: (drafts verified, predicted accepted drafts).
         self._predictions: dict[str, tuple[int, float]] = {}
         self._async_budget: int | None = None
+        self.admission_device = admission_device()
         self._metrics_file = (self.vllm_config.additional_config or {}).get(METRICS_FILE_KEY)
         self._last_log = self._last_snapshot = time.monotonic()
         logger.info(
-            "vllm_dspark scheduler: policy=%s%s",
+            "vllm_dspark scheduler: policy=%s%s, survival-ranked admission on %s",
             self.dspark_options.policy,
             "" if self.sps_curve is None else f", SPS curve with {len(self.sps_curve.points)} points",
+            "the GPU (Triton kernel)" if self.admission_device is not None else "the CPU (NumPy)",
         )
 
     def _load_sps_curve(self) -> SpsCurve | None:
@@ -120,9 +124,14 @@ class DSparkScheduler(Scheduler):
             else:
                 options["budget"] = self._async_budget
             self._async_budget = dspark_budget(confidences, self.sps_curve, base_tokens=base_tokens)
-        lengths = select_verify_lengths(
-            confidences, self.sps_curve or _no_curve, policy, base_tokens=base_tokens, **options
-        )
+        if policy == "dspark_async" and self.admission_device is not None:
+            # The same top-budget selection as the NumPy policy (tests hold them equal).
+            on_device = torch.as_tensor(confidences, device=self.admission_device)
+            lengths = dispatch.admission_lengths(on_device, int(options["budget"])).cpu().numpy()
+        else:
+            lengths = select_verify_lengths(
+                confidences, self.sps_curve or _no_curve, policy, base_tokens=base_tokens, **options
+            )
         verified = np.minimum(lengths, proposed)
         survival = np.cumprod(confidences, axis=1)
         for row, (request, keep) in enumerate(zip(drafting, verified)):
@@ -206,6 +215,15 @@ class DSparkScheduler(Scheduler):
     def _free_request(self, request: Request, *args, **kwargs):
         self._confidences.pop(request.request_id, None)
         return super()._free_request(request, *args, **kwargs)
+
+
+def admission_device() -> torch.device | None:
+    """The GPU when the Triton kernels are enabled and this process already holds a CUDA
+    context (the worker shares the engine-core process); None selects the NumPy policy.
+    A scheduler-only process (multiprocess executor) never creates a context of its own."""
+    if dispatch.triton_kernels_enabled() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def _no_curve(batch_tokens: np.ndarray) -> np.ndarray:
