@@ -41,13 +41,16 @@ def verify_attention(
     tree_parents: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     max_q: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
     use_kernel: Optional[bool] = None,
 ) -> torch.Tensor:
-    """Chain or tree verification attention; see `verify_attention.py` for the layouts."""
+    """Chain or tree verification attention; see `verify_attention.py` for the layouts.
+    The result goes into `out` (shaped like q) when given."""
     args = (q, k_new, v_new, key_cache, value_cache, block_table, context_lens, cu_seqlens_q, tree_parents, scale)
     if _pick(use_kernel):
-        return verify_attention_triton(*args, max_q=max_q)
-    return verify_attention_reference(*args)
+        return verify_attention_triton(*args, max_q=max_q, out=out)
+    result = verify_attention_reference(*args)
+    return result if out is None else out.copy_(result)
 
 
 def sequential_head(

@@ -139,6 +139,20 @@ def test_tree_with_chain_parents_equals_chain() -> None:
     torch.testing.assert_close(tree, chain, atol=1e-6, rtol=1e-6)
 
 
+@needs_interpreter
+def test_verify_attention_reads_flash_attention_cache_layout() -> None:
+    """vLLM's FlashAttention cache [blocks, kv_heads, block_size, 2 * D] viewed as strided
+    K and V caches, as the attention backend passes them."""
+    case = _paged_case([5, 1, 8], [9, 30, 0], 2, 3, 64, 16, torch.float32)
+    pool = case["key_cache"].shape[0]
+    kv = torch.randn(pool, 2, 16, 128, generator=torch.Generator().manual_seed(3))
+    case["key_cache"], case["value_cache"] = kv.transpose(1, 2).split(64, dim=-1)
+    assert not case["key_cache"].is_contiguous()
+    ref = verify_attention.verify_attention_reference(**case, compute_dtype=torch.float64)
+    got = verify_attention.verify_attention_triton(**case, out=torch.full_like(case["q"], POISON_F))
+    torch.testing.assert_close(got.double(), ref.double(), atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
 def test_reference_matches_sdpa_on_chain() -> None:
     """The reference itself, against torch SDPA on one unpaged request."""
     case = _paged_case([5], [11], 2, 3, 64, 4, torch.float64)

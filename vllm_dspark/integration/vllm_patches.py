@@ -25,6 +25,9 @@ idempotent and applies in every vLLM process (API server, engine core, workers):
 9. `VllmConfig.use_v2_model_runner` is False for this method, even when
    `VLLM_USE_V2_MODEL_RUNNER=1` is set: the plugin hooks into the V1 runner (on GPU vLLM
    0.32 would otherwise default to V2 whenever it supports every other feature in use).
+10. The attention backend slot `CUSTOM` resolves to `DSparkVerifyAttentionBackend`
+   (FlashAttention whose verification steps run our Triton kernel), chosen with
+   `--attention-backend CUSTOM`; left alone if another plugin has claimed the slot.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ def apply() -> None:
     _fix_cpu_expand_batch_to_tokens()
     _pin_v1_model_runner()
     _share_vllm_log_handlers()
+    _register_verify_attention_backend()
     _applied = True
     logger.debug("vllm_dspark patches applied")
 
@@ -233,3 +237,26 @@ def _share_vllm_log_handlers() -> None:
             plugin_logger.addHandler(handler)
         plugin_logger.setLevel(vllm_logger.level or logging.INFO)
         plugin_logger.propagate = False
+
+
+VERIFY_ATTENTION_BACKEND = "vllm_dspark.integration.attention_backend.DSparkVerifyAttentionBackend"
+
+
+def _register_verify_attention_backend() -> None:
+    # Registering a class path imports nothing: FlashAttention's module is only loaded
+    # when a GPU engine selects the backend.
+    from vllm.v1.attention.backends.registry import (
+        _ATTN_OVERRIDES,
+        AttentionBackendEnum,
+        register_backend,
+    )
+
+    claimed = _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM)
+    if claimed not in (None, VERIFY_ATTENTION_BACKEND):
+        logger.warning(
+            "vllm_dspark: attention backend CUSTOM is already %s; the DSpark verification "
+            "attention backend is not registered",
+            claimed,
+        )
+        return
+    register_backend(AttentionBackendEnum.CUSTOM, VERIFY_ATTENTION_BACKEND)
