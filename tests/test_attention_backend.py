@@ -151,9 +151,11 @@ def test_other_steps_go_to_flash_attention(routed, monkeypatch, case: str) -> No
     elif case == "profiling_run":
         metadata = None
     elif case == "forced_reference":
-        monkeypatch.undo()  # the real capability check, with the switch set
+        monkeypatch.undo()  # the real capability check: CUDA "present", the switch set
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setenv(dispatch.FORCE_REFERENCE_ENV, "1")
         monkeypatch.setattr(FlashAttentionImpl, "forward", lambda *a: routed.append("flash"))
+        impl = make_impl(8)
     impl.forward(None, query, key, value, kv_cache, metadata, poisoned_output(query))
     assert routed == ["flash"]
 

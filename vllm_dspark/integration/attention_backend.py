@@ -74,8 +74,10 @@ class DSparkVerifyAttentionImpl(FlashAttentionImpl):
         spec = vllm_config.speculative_config if vllm_config is not None else None
         # Steps up to K+1 tokens per request are verification (or plain decode) steps.
         self.max_verify_tokens = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
+        # Decided once per layer: forward runs per layer per step and must stay cheap.
         self.kernel_supports_layer = (
-            self.attn_type == AttentionType.DECODER
+            dispatch.triton_kernels_enabled()
+            and self.attn_type == AttentionType.DECODER
             and self.alibi_slopes is None
             and self.sliding_window == (-1, -1)
             and not self.logits_soft_cap
@@ -91,7 +93,6 @@ class DSparkVerifyAttentionImpl(FlashAttentionImpl):
             and self.kernel_supports_layer
             and metadata.causal is True
             and metadata.max_query_len <= self.max_verify_tokens
-            and dispatch.triton_kernels_enabled()
         )
 
     def forward(
