@@ -305,9 +305,10 @@ def check_replicas_equal(drafter: DSparkDrafter, rank: int, world: int) -> None:
     """DDP keeps replicas equal; verify before saving, since a silent drift would make the
     saved weights (rank 0's) differ from what the other ranks trained."""
     digest = weights_digest(drafter)
-    # One write(2) per line: a pipe shared by all ranks keeps writes under PIPE_BUF whole,
-    # whereas print() may split text and newline and interleave with another rank's line.
-    os.write(sys.stderr.fileno(), f"rank {rank}/{world}: weights digest {digest}\n".encode())
+    # The whole line in one write: print() writes text and newline separately, and on a
+    # pipe shared by all ranks another rank's line can land between the two.
+    sys.stderr.write(f"rank {rank}/{world}: weights digest {digest}\n")
+    sys.stderr.flush()
     if world > 1:
         digests: list[str] = [""] * world
         dist.all_gather_object(digests, digest)
