@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
@@ -26,6 +27,8 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 
 from vllm_dspark.kernels import dispatch
+
+logger = init_logger(__name__)
 
 
 def verify_attention_forward(
@@ -85,6 +88,12 @@ class DSparkVerifyAttentionImpl(FlashAttentionImpl):
             and self.kv_cache_dtype == "auto"
             and self.kv_sharing_target_layer_name is None
             and self.dcp_world_size <= 1
+        )
+        logger.info_once(
+            "vllm_dspark attention backend: steps with at most %d tokens per request %s",
+            self.max_verify_tokens,
+            "run the Triton verification kernel" if self.kernel_supports_layer
+            else "stay on FlashAttention (kernels off or a layer feature the kernel lacks)",
         )
 
     def uses_kernel(self, metadata: FlashAttentionMetadata | None) -> bool:
