@@ -230,3 +230,14 @@ def test_dspark_async_admission_runs_through_the_kernel_entry_point(tiny_target,
         assert lengths.tolist() == lengths_of_prefix(rank_candidates(conf), budget).tolist()
     verified = [d.verified for d in engine_scheduler(llm).recent_decisions]
     assert any(0 < v.sum() < v.size * K for v in verified), "budgets should cut some blocks short"
+
+
+def test_waiting_prompts_count_in_the_pass_size(tiny_target, fitted_drafter):
+    """With two sequence slots for five requests, a freed slot admits a waiting prompt into
+    the same pass as the verification tokens; the policy must see those tokens in B."""
+    options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}}
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), options, max_num_seqs=2)
+    generate_ids(llm, PROMPTS, MAX_TOKENS)
+    base = [d.base_tokens for d in engine_scheduler(llm).recent_decisions]
+    waiting_prompt_lengths = {len(p) for p in PROMPTS[2:]}
+    assert waiting_prompt_lengths & set(base), f"no step counted a waiting prompt: {sorted(set(base))}"

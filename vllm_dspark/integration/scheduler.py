@@ -11,6 +11,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 import torch
@@ -161,11 +162,16 @@ class DSparkScheduler(Scheduler):
         return matrix
 
     def _non_draft_tokens(self) -> int:
-        """Prefill tokens of running requests that share the pass (the policy counts one
-        token per decoding request itself). New requests' prefill is not known yet."""
+        """Prefill tokens expected in the pass besides the decoding requests' own (the policy
+        counts one per decoding request itself): chunks of running requests, plus prompts of
+        waiting requests that fit the free sequence slots, which the parent admits after the
+        running ones. An estimate (prefix-cache hits and a full KV cache admit less), capped
+        by the step's token budget."""
         prefill = sum(
             r.num_tokens - r.num_computed_tokens for r in self.running if not r.spec_token_ids
         )
+        free_slots = max(0, self.max_num_running_reqs - len(self.running))
+        prefill += sum(r.num_tokens - r.num_computed_tokens for r in islice(self.waiting, free_slots))
         return int(min(prefill, self.max_num_scheduled_tokens))
 
     def _speed_floors(self, drafting: list[Request]) -> np.ndarray:
