@@ -28,13 +28,18 @@ BLOCK_SIZE = 16
 PADDING_TOKENS = 2  # vLLM pads the token dimension beyond num_actual_tokens
 
 
-def flash_step(query_lens: list[int], context_lens: list[int], seed: int = 0):
-    """A step as FlashAttention sees it: the new tokens' K/V already written to the cache."""
+def flash_step(query_lens: list[int], context_lens: list[int], seed: int = 0, layout: str = "HND"):
+    """A step as FlashAttention sees it: the new tokens' K/V already written to the cache.
+    The cache is the [blocks, kv_heads, block_size, 2 * D] view vLLM hands the layer, over
+    memory stored heads-major (HND) or tokens-major (NHD)."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
     blocks_per_req = [-(-s // BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks_per_req) + 3
-    kv_cache = torch.randn(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, generator=g)
+    if layout == "HND":
+        kv_cache = torch.randn(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, generator=g)
+    else:
+        kv_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE, generator=g).transpose(1, 2)
     pool = torch.randperm(num_blocks, generator=g)
     block_table = torch.zeros(len(query_lens), max(blocks_per_req), dtype=torch.int32)
     used = 0
@@ -87,10 +92,11 @@ def poisoned_output(query: torch.Tensor) -> torch.Tensor:
     return torch.full_like(query, float("nan"))
 
 
-def test_forward_matches_attention_over_the_flash_cache() -> None:
-    query, key, value, kv_cache, metadata = flash_step([1, 4, 8, 3], [5, 0, 37, 16])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_forward_matches_attention_over_the_flash_cache(layout: str) -> None:
+    query, key, value, kv_cache, metadata = flash_step([1, 4, 8, 3], [5, 0, 37, 16], layout=layout)
     output = poisoned_output(query)
-    verify_attention_forward(query, key, value, kv_cache, metadata, output, HEAD_SIZE, HEAD_SIZE**-0.5)
+    verify_attention_forward(query, key, value, kv_cache, metadata, output, HEAD_SIZE, HEAD_SIZE**-0.5, use_kernel=False)
     torch.testing.assert_close(output[: metadata.num_actual_tokens], sdpa_over_cache(query, kv_cache, metadata))
     assert output[metadata.num_actual_tokens :].isnan().all(), "padding rows must stay untouched"
 
@@ -103,7 +109,7 @@ def routed(monkeypatch):
 
     def kernel_spy(*args, **kwargs):
         calls.append("kernel")
-        return entry(*args, **kwargs, use_kernel=False)
+        return entry(*args, **{**kwargs, "use_kernel": False})
 
     def flash_spy(self, layer, query, key, value, kv_cache, metadata, output, *rest):
         calls.append("flash")
@@ -135,7 +141,8 @@ def test_verification_steps_take_the_kernel(routed) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["prefill_longer_than_k_plus_1", "sliding_window", "soft_cap", "non_causal", "profiling_run", "forced_reference"],
+    ["prefill_longer_than_k_plus_1", "sliding_window", "soft_cap", "non_causal", "prefix_lm_mask", "profiling_run",
+     "forced_reference"],
 )
 def test_other_steps_go_to_flash_attention(routed, monkeypatch, case: str) -> None:
     query, key, value, kv_cache, metadata = flash_step([6, 2], [3, 11])
@@ -148,6 +155,8 @@ def test_other_steps_go_to_flash_attention(routed, monkeypatch, case: str) -> No
         impl = make_impl(8, logits_soft_cap=30.0)
     elif case == "non_causal":
         metadata.causal = False
+    elif case == "prefix_lm_mask":
+        metadata.mm_prefix_query_range_tensor = torch.full((metadata.num_actual_tokens, 2), -1)
     elif case == "profiling_run":
         metadata = None
     elif case == "forced_reference":

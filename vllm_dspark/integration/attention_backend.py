@@ -5,8 +5,8 @@ the step brings at most K+1 query tokens (decode and verification steps) and the
 uses nothing the kernel lacks (sliding window, ALiBi, soft cap, sinks, a quantised or
 shared KV cache, context parallelism, non-causal masks), attention runs in
 `vllm_dspark.kernels.verify_attention`: one launch for all requests, no padding to the
-longest. Everything else (prefill chunks, encoder attention, the profiling run) goes to
-FlashAttention unchanged. The KV-cache layout and the cache writes are FlashAttention's,
+longest. Everything else (prefill chunks, encoder attention, the profiling run, prefix-LM
+and sliding-prefix masks, batch-invariant mode) goes to FlashAttention unchanged. The KV-cache layout and the cache writes are FlashAttention's,
 so either path can serve any step.
 
 Select it with `--attention-backend CUSTOM` (the plugin registers it there; see
@@ -40,12 +40,14 @@ def verify_attention_forward(
     output: torch.Tensor,
     head_size: int,
     scale: float,
+    use_kernel: bool = True,
 ) -> torch.Tensor:
     """Attention of a step whose new keys/values are already in the cache, written into
     `output[:num_actual_tokens]` ([tokens, heads, head_size], as vLLM passes it).
 
     The kernel reads a request's cached context (seq_len - query_len tokens) through the
     block table and its new tokens from `key`/`value`, causal among the new tokens.
+    `use_kernel=False` runs the PyTorch reference instead (tests on CPU).
     """
     num_tokens = metadata.num_actual_tokens
     cu_seqlens_q = metadata.query_start_loc
@@ -66,6 +68,7 @@ def verify_attention_forward(
         scale=scale,
         max_q=metadata.max_query_len,
         out=output[:num_tokens],
+        use_kernel=use_kernel,
     )
     return output
 
@@ -85,9 +88,11 @@ class DSparkVerifyAttentionImpl(FlashAttentionImpl):
             and self.sliding_window == (-1, -1)
             and not self.logits_soft_cap
             and self.sinks is None
+            and self.head_size <= 256  # larger heads would not fit the kernel's tiles
             and self.kv_cache_dtype == "auto"
             and self.kv_sharing_target_layer_name is None
             and self.dcp_world_size <= 1
+            and not self.batch_invariant_enabled  # FlashAttention owns that numerics contract
         )
         logger.info_once(
             "vllm_dspark attention backend: steps with at most %d tokens per request %s",
@@ -102,6 +107,9 @@ class DSparkVerifyAttentionImpl(FlashAttentionImpl):
             and self.kernel_supports_layer
             and metadata.causal is True
             and metadata.max_query_len <= self.max_verify_tokens
+            # FlashAttention-4 mask modes the kernel does not implement:
+            and metadata.mm_prefix_query_range_tensor is None
+            and metadata.rswa_prefix_lens is None
         )
 
     def forward(
