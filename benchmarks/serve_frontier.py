@@ -2,7 +2,9 @@
 no speculation, a static one-draft (MTP-1-like) and an all-K fixed-length baseline, and
 vLLM's n-gram speculation (the peer a CPU user can pick today).
 
-Each configuration gets its own in-process engine; for every concurrency R, R chat
+Each configuration gets its own engine in a fresh process (vLLM 0.32's CPU kernel
+overrides fail on a second engine in a process that ran n-gram speculation, and a fresh
+process also returns all memory); for every concurrency R, R chat
 prompts (eval prompts, mixed domains) run at once with exactly `--max-tokens` output
 tokens each (ignore_eos), so per-user speed = max_tokens / wave time and system
 throughput = R * max_tokens / wave time. Writes JSON, Markdown and a Pareto plot.
@@ -13,8 +15,8 @@ throughput = R * max_tokens / wave time. Writes JSON, Markdown and a Pareto plot
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import multiprocessing
 import os
 import time
 from pathlib import Path
@@ -90,9 +92,7 @@ def run_configuration(target: str, settings: dict, concurrency: list[int], max_t
                 "accepted_length": 1.0 + accepted / drafts if drafts else 1.0,
             }
         )
-        print(f"  R={r:3d}: {tokens / wave:7.1f} tok/s total, {max_tokens / wave:6.2f} tok/s per user")
-    del llm
-    gc.collect()
+        print(f"  R={r:3d}: {tokens / wave:7.1f} tok/s total, {max_tokens / wave:6.2f} tok/s per user", flush=True)
     return rows
 
 
@@ -168,8 +168,9 @@ def main() -> int:
     for name, settings in configs.items():
         if args.only and name not in args.only:
             continue
-        print(f"{name}:")
-        results[name] = run_configuration(target, settings, args.concurrency, args.max_tokens)
+        print(f"{name}:", flush=True)
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            results[name] = pool.apply(run_configuration, (target, settings, args.concurrency, args.max_tokens))
     meta = {
         "target": target,
         "drafter": args.drafter,

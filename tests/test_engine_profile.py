@@ -7,7 +7,13 @@ import json
 import pytest
 
 from tests.tiny_models import engine_scheduler, make_drafter, make_llm
-from vllm_dspark.engine_profile import cached_profile_path, plot_curve, profile_engine, profile_key
+from vllm_dspark.engine_profile import (
+    cached_profile_path,
+    monotone_step_times,
+    plot_curve,
+    profile_engine,
+    profile_key,
+)
 from vllm_dspark.scheduling import SpsCurve
 
 
@@ -30,6 +36,19 @@ def test_profile_measures_every_batch_size(tiny_curve: SpsCurve, tiny_target, tm
     assert SpsCurve.load(out) == tiny_curve
     plot_curve(tiny_curve, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("measured", "expected"),
+    [
+        ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]),  # already monotone: untouched
+        ([1.0, 3.0, 2.0, 4.0], [1.0, 2.5, 2.5, 4.0]),  # one inversion: the pair is averaged
+        ([5.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]),  # a slow first point is pooled, not carried
+        ([3.0, 2.0, 1.0], [2.0, 2.0, 2.0]),
+    ],
+)
+def test_monotone_step_times_pools_violators(measured, expected):
+    assert monotone_step_times(measured).tolist() == pytest.approx(expected)
 
 
 def test_profile_file_validation(tmp_path):

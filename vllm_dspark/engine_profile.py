@@ -88,6 +88,28 @@ def time_decode_steps(llm, batch: int, context_len: int, steps: int, vocab_size:
     return timings
 
 
+# Warn when making the curve monotone moves a point by more than this fraction.
+NOISE_WARNING = 0.2
+
+
+def monotone_step_times(medians: list[float]) -> np.ndarray:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators).
+
+    A pass with more tokens never costs less, so an inversion is measurement noise (a
+    shared machine), and a curve with one would make the policies chase it. Pooling
+    averages the violating points instead of lifting every later point to one slow
+    outlier, which a running maximum would do.
+    """
+    blocks: list[list[float]] = []  # [mean, count] of each pooled run
+    for value in medians:
+        blocks.append([float(value), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            blocks[-1][0] = (blocks[-1][0] * blocks[-1][1] + mean * count) / (blocks[-1][1] + count)
+            blocks[-1][1] += count
+    return np.repeat([mean for mean, _ in blocks], [int(count) for _, count in blocks])
+
+
 def profile_engine(
     model: str,
     batch_tokens: list[int],
@@ -118,12 +140,13 @@ def profile_engine(
     for batch in tqdm(batches, desc="profile SPS(B)", unit="batch"):
         medians.append(statistics.median(time_decode_steps(llm, batch, context_len, steps, vocab_size, seed)))
         logger.info("B=%d: %.1f ms per step measured", batch, 1000 * medians[-1])
-    # A pass with more tokens never costs less; an inversion is measurement noise (a
-    # shared machine), and a curve with one would make the policies chase it.
-    monotone = np.maximum.accumulate(medians)
+    monotone = monotone_step_times(medians)
     for batch, measured, kept in zip(batches, medians, monotone):
-        if kept > measured:
-            logger.warning("B=%d: %.1f ms measured below a smaller batch; using %.1f ms", batch, 1000 * measured, 1000 * kept)
+        if abs(kept - measured) > NOISE_WARNING * measured:
+            logger.warning(
+                "B=%d: %.1f ms measured, %.1f ms after making the curve monotone; the machine "
+                "looks busy, profile again when it is idle", batch, 1000 * measured, 1000 * kept,
+            )
     points = [(batch, 1.0 / float(seconds)) for batch, seconds in zip(batches, monotone)]
     metadata = profile_key(model, dtype) | {"context_len": str(context_len), "steps": str(steps)}
     return SpsCurve(points=points, metadata=metadata)
