@@ -21,6 +21,9 @@ MAX_TOKENS = 24
 K = 4
 # Steps per second falling with batch tokens: verification is cheap at first, then not.
 SPS_TABLE = [[1, 100.0], [5, 97.0], [10, 90.0], [15, 70.0], [20, 50.0], [40, 25.0]]
+# For tests of the policies' decisions: the curve as given, not corrected by how long this
+# machine's steps take (which would make the expected pruning depend on the machine).
+AS_GIVEN = {"sps_table": SPS_TABLE, "measure_step_overhead": False}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def test_greedy_outputs_identical(tiny_target, fitted_drafter, baseline, plugin_
 
 
 def test_per_request_lengths_and_counters(tiny_target, fitted_drafter, baseline):
-    options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}}
+    options = {"vllm_dspark": {"policy": "dspark", **AS_GIVEN}}
     llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
     assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
     scheduler = engine_scheduler(llm)
@@ -163,7 +166,7 @@ def test_sla_priority_from_request_extra_args(tiny_target, baseline, tmp_path):
     drafter = make_drafter(tiny_target, tmp_path / "drafter")
     fit_markov_to_transitions(drafter, tiny_target, [p + o for p, o in zip(PROMPTS, baseline)], confidence_gain=4.0)
 
-    options = {"vllm_dspark": {"policy": "sla", "sps_table": SPS_TABLE, "min_tokens_per_s": 0.0}}
+    options = {"vllm_dspark": {"policy": "sla", **AS_GIVEN, "min_tokens_per_s": 0.0}}
 
     def mean_verified_per_prompt(floors: dict[int, float]) -> list[float]:
         llm = make_llm(tiny_target, spec_config(drafter), options)
@@ -222,7 +225,7 @@ def test_dspark_async_admission_runs_through_the_kernel_entry_point(tiny_target,
 
     monkeypatch.setattr(scheduler_module, "admission_device", lambda: torch.device("cpu"))
     monkeypatch.setattr(dispatch, "admission_lengths", spy)
-    options = {"vllm_dspark": {"policy": "dspark_async", "sps_table": SPS_TABLE}}
+    options = {"vllm_dspark": {"policy": "dspark_async", **AS_GIVEN}}
     llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
     assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
     assert len(calls) > 1, "every step after the first should select on the device path"
@@ -241,3 +244,22 @@ def test_waiting_prompts_count_in_the_pass_size(tiny_target, fitted_drafter):
     base = [d.base_tokens for d in engine_scheduler(llm).recent_decisions]
     waiting_prompt_lengths = {len(p) for p in PROMPTS[2:]}
     assert waiting_prompt_lengths & set(base), f"no step counted a waiting prompt: {sorted(set(base))}"
+
+
+@pytest.mark.parametrize("measure", [True, False])
+def test_scheduler_learns_the_step_time_the_profile_lacks(tiny_target, fitted_drafter, baseline, measure):
+    """A curve claiming 0.1 ms steps: every real step (drafting included) is slower, so the
+    learned overhead is positive and enters the policy's curve; off when switched off."""
+    fast = [[1, 10000.0], [64, 9000.0]]
+    options = {"vllm_dspark": {"policy": "dspark", "sps_table": fast, "measure_step_overhead": measure}}
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
+    assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
+    scheduler = engine_scheduler(llm)
+    if not measure:
+        assert scheduler.step_overhead.samples == 0 and scheduler.policy_curve is scheduler.sps_curve
+        return
+    assert scheduler.step_overhead.samples > MAX_TOKENS // 2
+    assert scheduler.step_overhead.seconds > 0
+    learned = scheduler.policy_curve.step_time(8) - scheduler.sps_curve.step_time(8)
+    assert learned == pytest.approx(scheduler.step_overhead.seconds, rel=0.06)
+    assert scheduler.dspark_stats.step_overhead_ms == pytest.approx(1000 * scheduler.step_overhead.seconds)

@@ -81,7 +81,8 @@ def test_dspark_policy_keeps_target_distribution(peaked_target: Path, tmp_path: 
     llm = make_llm(
         peaked_target,
         {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": 4},
-        {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}},
+        # As given: the test needs pruning, whatever this machine's step times are.
+        {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE, "measure_step_overhead": False}},
         max_num_seqs=64,
     )
     speculative = sample(llm)

@@ -173,6 +173,8 @@ class PluginOptions(BaseModel):
     # With sps_profile "auto": measure the curve at start-up when no cached one exists.
     profile_at_startup: bool = False
     min_tokens_per_s: float = Field(default=0.0, ge=0.0)
+    # Learn the per-step time the curve lacks (drafting) from measured steps; add it to SPS.
+    measure_step_overhead: bool = True
     log_interval_s: float = Field(default=10.0, gt=0)
 
     @model_validator(mode="after")

@@ -41,6 +41,7 @@ class DSparkStats:
     verified_requests: int = 0  # (request, step) pairs that verified >= 0 drafts
     missing_confidences: int = 0
     invalid_confidences: int = 0
+    step_overhead_ms: float = 0.0  # learned per-step time beyond the SPS profile (drafting)
     # verified_length_counts[l] = number of (request, step) pairs that verified l drafts
     verified_length_counts: list[int] = field(default_factory=list)
 
@@ -72,7 +73,8 @@ class DSparkStats:
             f"({100.0 * self.pruned / max(1, self.proposed):.1f}%), accepted {self.accepted} "
             f"(predicted {self.predicted_accepted:.1f}, calibration error "
             f"{self.calibration_error:+.3f} per verified draft), mean verification budget "
-            f"{self.verified / max(1, self.verified_requests):.2f} tokens/request"
+            f"{self.verified / max(1, self.verified_requests):.2f} tokens/request, step overhead "
+            f"beyond the SPS profile {self.step_overhead_ms:.1f} ms"
         )
 
     def write(self, path: str) -> None:
@@ -115,6 +117,13 @@ def metric_families(stats: DSparkStats) -> list:
     )
     gauge.add_metric(values, stats.calibration_error)
     families.append(gauge)
+    overhead = GaugeMetricFamily(
+        "vllm_dspark_step_overhead_seconds",
+        "Learned per-step time beyond the SPS profile (drafting), added to SPS by the policies",
+        labels=labels,
+    )
+    overhead.add_metric(values, stats.step_overhead_ms / 1000.0)
+    families.append(overhead)
     cumulative = np.cumsum(stats.verified_length_counts).tolist() if stats.verified_length_counts else []
     buckets = [(str(length), count) for length, count in enumerate(cumulative)] + [("+Inf", stats.verified_requests)]
     histogram = HistogramMetricFamily(

@@ -25,6 +25,7 @@ from vllm_dspark.engine_profile import cached_profile_path, profile_key
 from vllm_dspark.integration.metrics import METRICS_FILE_KEY, DSparkStats
 from vllm_dspark.kernels import dispatch
 from vllm_dspark.scheduling import SpsCurve, dspark_budget, select_verify_lengths
+from vllm_dspark.scheduling.overhead import StepOverheadEstimator
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ class DSparkScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.dspark_options = PluginOptions.from_additional_config(self.vllm_config.additional_config)
         self.sps_curve = self._load_sps_curve()
+        # The curve the policies use: the profile plus the learned per-step overhead.
+        self.policy_curve = self.sps_curve
+        self.step_overhead = StepOverheadEstimator()
+        self._previous_step: tuple[float, int] | None = None  # (start time, tokens in the pass)
         self.dspark_stats = DSparkStats(policy=str(self.dspark_options.policy))
         self.recent_decisions: deque[VerifyDecision] = deque(maxlen=4096)
         self._confidences: dict[str, np.ndarray] = {}
@@ -99,8 +104,27 @@ class DSparkScheduler(Scheduler):
 
     # --------------------------------------------------------- the decision
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
+        started = time.perf_counter()
+        self._learn_step_overhead(started)
         self._trim_drafts()
-        return super().schedule(*args, **kwargs)
+        output = super().schedule(*args, **kwargs)
+        tokens = output.total_num_scheduled_tokens
+        self._previous_step = (started, tokens) if tokens else None
+        return output
+
+    def _learn_step_overhead(self, now: float) -> None:
+        """Time since the previous step started = that step's wall time (the schedule ->
+        execute -> update loop); compare it with the profile at that pass size."""
+        if self._previous_step is None or self.sps_curve is None or not self.dspark_options.measure_step_overhead:
+            return
+        started, tokens = self._previous_step
+        if not self.step_overhead.observe(now - started, self.sps_curve.step_time(tokens)):
+            return
+        overhead = self.step_overhead.seconds
+        self.dspark_stats.step_overhead_ms = 1000.0 * overhead
+        in_curve = self.policy_curve.step_time(1) - self.sps_curve.step_time(1)
+        if abs(overhead - in_curve) > max(0.05 * in_curve, 1e-4):  # rebuild on a 5% / 0.1 ms change
+            self.policy_curve = self.sps_curve.with_step_overhead(overhead)
 
     def _trim_drafts(self) -> None:
         drafting = [r for r in self.running if r.spec_token_ids]
@@ -124,14 +148,14 @@ class DSparkScheduler(Scheduler):
                 policy = "dspark"
             else:
                 options["budget"] = self._async_budget
-            self._async_budget = dspark_budget(confidences, self.sps_curve, base_tokens=base_tokens)
+            self._async_budget = dspark_budget(confidences, self.policy_curve, base_tokens=base_tokens)
         if policy == "dspark_async" and self.admission_device is not None:
             # The same top-budget selection as the NumPy policy (tests hold them equal).
             on_device = torch.as_tensor(confidences, device=self.admission_device)
             lengths = dispatch.admission_lengths(on_device, int(options["budget"])).cpu().numpy()
         else:
             lengths = select_verify_lengths(
-                confidences, self.sps_curve or _no_curve, policy, base_tokens=base_tokens, **options
+                confidences, self.policy_curve or _no_curve, policy, base_tokens=base_tokens, **options
             )
         verified = np.minimum(lengths, proposed)
         survival = np.cumprod(confidences, axis=1)
@@ -187,6 +211,8 @@ class DSparkScheduler(Scheduler):
         # Read the sampled tokens first: the parent trims them in place at stop conditions.
         self._record_acceptance(model_runner_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if not self.has_unfinished_requests():
+            self._previous_step = None  # the engine idles until the next request: not a step
         self._publish()
         return outputs
 

@@ -85,6 +85,17 @@ class SpsCurve(pydantic.BaseModel):
         """Steps per second for passes of `batch_tokens` tokens (vectorised)."""
         return 1.0 / self.step_time(batch_tokens)
 
+    def with_step_overhead(self, seconds: float) -> SpsCurve:
+        """The curve with `seconds` added to every step (work the profile did not time).
+
+        Exact for the interpolation: step time is linear between points, so adding a
+        constant to each point adds it everywhere, the tail included.
+        """
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"step overhead must be finite and >= 0, got {seconds}")
+        points = [(batch, 1.0 / (1.0 / sps + seconds)) for batch, sps in self.points]
+        return SpsCurve(points=points, metadata=self.metadata)
+
     def over_range(self, first: int, count: int) -> np.ndarray:
         """SPS for B = first, first + 1, ..., first + count - 1 (read-only view).
 
