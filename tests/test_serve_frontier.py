@@ -1,0 +1,43 @@
+"""benchmarks/serve_frontier.py without an engine: its configurations and its report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from vllm_dspark.config import PluginOptions
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("serve_frontier", REPO / "benchmarks" / "serve_frontier.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_configurations_are_valid_plugin_settings():
+    frontier = load_script()
+    configs = frontier.configurations("DRAFTER", 7, frontier.DEFAULT_SPS)
+    assert {"no-spec", "fixed-k7", "dspark", "dspark_async", "dspark, profile only"} <= configs.keys()
+    for name, settings in configs.items():
+        plugin = settings.get("additional_config")
+        if plugin is not None:
+            options = PluginOptions.from_additional_config(plugin)  # raises on a bad setting
+            assert settings["speculative_config"]["method"] == "vllm_dspark", name
+            assert options.measure_step_overhead == (name != "dspark, profile only")
+
+
+def test_report_has_every_row(tmp_path: Path):
+    frontier = load_script()
+    row = {"concurrency": 4, "wave_seconds": 2.0, "throughput_tok_s": 96.0, "per_user_tok_s": 24.0,
+           "verified_drafts_per_step": 3.0, "accepted_length": 1.5}
+    results = {"no-spec": [row], "dspark": [{**row, "concurrency": 16}]}
+    meta = {"target": "T", "drafter": "D", "k": 7, "max_tokens": 48, "sps": [], "hardware": "cpu", "date": "now"}
+    frontier.write_results(results, meta, tmp_path / "frontier")
+    assert json.loads((tmp_path / "frontier.json").read_text())["results"] == results
+    table = (tmp_path / "frontier.md").read_text()
+    assert "| no-spec | 4 | 96.0 | 24.00 | 1.50 | 3.00 |" in table and "| dspark | 16 |" in table
+    assert (tmp_path / "frontier.png").stat().st_size > 0
