@@ -18,6 +18,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def configurations(drafter: str, k: int, sps_table: list) -> dict[str, dict]:
     }
 
 
-def run_configuration(target: str, settings: dict, concurrency: list[int], max_tokens: int) -> list[dict]:
+def run_configuration(target: str, settings: dict, concurrency: list[int], max_tokens: int, repeats: int) -> list[dict]:
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -75,9 +76,12 @@ def run_configuration(target: str, settings: dict, concurrency: list[int], max_t
     rows = []
     for r in concurrency:
         before = spec_counters(llm)
-        start = time.perf_counter()
-        outputs = llm.chat(eval_prompts(r), params, use_tqdm=False)
-        wave = time.perf_counter() - start
+        waves = []
+        for _ in range(repeats):  # the median wave: a shared machine has slow moments
+            start = time.perf_counter()
+            outputs = llm.chat(eval_prompts(r), params, use_tqdm=False)
+            waves.append(time.perf_counter() - start)
+        wave = statistics.median(waves)
         after = spec_counters(llm)
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
@@ -112,7 +116,8 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         "# Serving frontier (real engine, CPU)",
         "",
         f"Target {meta['target']}, drafter {meta['drafter']}, K = {meta['k']}, {meta['max_tokens']} output "
-        f"tokens per request (greedy, ignore_eos), chat prompts from gsm8k/humaneval/mt-bench. "
+        f"tokens per request (greedy, ignore_eos), chat prompts from gsm8k/humaneval/mt-bench, "
+        f"median wave of {meta.get('repeats', 1)}. "
         f"Measured {meta['date']} on {meta['hardware']}; machine shared with other jobs, so compare "
         "rows within one run. `dspark, profile only` is the dspark policy without the learned "
         "per-step drafting overhead (`measure_step_overhead: false`).",
@@ -153,6 +158,7 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=7)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3, help="waves per concurrency; the median is reported")
     parser.add_argument("--only", nargs="+", default=None, help="run only these configurations")
     parser.add_argument("--sps-profile", default=None, help="SPS profile JSON (default: ENVIRONMENT.md table)")
     parser.add_argument("--out", type=Path, default=RESULTS / "serve_frontier")
@@ -172,12 +178,15 @@ def main() -> int:
             continue
         print(f"{name}:", flush=True)
         with multiprocessing.get_context("spawn").Pool(1) as pool:
-            results[name] = pool.apply(run_configuration, (target, settings, args.concurrency, args.max_tokens))
+            results[name] = pool.apply(
+                run_configuration, (target, settings, args.concurrency, args.max_tokens, args.repeats)
+            )
     meta = {
         "target": target,
         "drafter": args.drafter,
         "k": args.k,
         "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
         "sps": sps,
         "hardware": hardware_name(),
         "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -69,7 +69,10 @@ def time_decode_steps(llm, batch: int, context_len: int, steps: int, vocab_size:
 
     engine = llm.llm_engine
     rng = np.random.default_rng(seed)
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True, detokenize=False)
+    # Requests whose prefill ends early decode while the rest still prefill: they must not
+    # finish before the timed steps, so they may run to the context limit (aborted below).
+    max_tokens = llm.llm_engine.model_config.max_model_len - context_len
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     ids = [f"profile-{batch}-{i}" for i in range(batch)]
     for request_id in ids:
         prompt = TokensPrompt(prompt_token_ids=rng.integers(10, vocab_size, context_len).tolist())
@@ -80,8 +83,13 @@ def time_decode_steps(llm, batch: int, context_len: int, steps: int, vocab_size:
     timings = []
     for _ in range(steps):
         begin = time.perf_counter()
-        engine.step()
+        decoded = len(engine.step())
         timings.append(time.perf_counter() - begin)
+        if decoded != batch:
+            raise RuntimeError(
+                f"profile at B={batch}: a step decoded {decoded} requests, not {batch} (KV cache too "
+                "small for the batch? raise VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory, or drop this B)"
+            )
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
@@ -128,7 +136,8 @@ def profile_engine(
         dtype=dtype,
         enforce_eager=engine_kwargs.pop("enforce_eager", True),
         max_num_seqs=max_batch,
-        max_model_len=context_len + steps + 16,
+        # Room for early requests to decode through the others' prefill (B * context tokens).
+        max_model_len=context_len + steps + max_batch * context_len // 64 + 64,
         enable_prefix_caching=False,
         seed=seed,
         skip_tokenizer_init=True,  # prompts are token ids
