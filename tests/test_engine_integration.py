@@ -246,12 +246,14 @@ def test_waiting_prompts_count_in_the_pass_size(tiny_target, fitted_drafter):
     assert waiting_prompt_lengths & set(base), f"no step counted a waiting prompt: {sorted(set(base))}"
 
 
-@pytest.mark.parametrize("measure", [True, False])
-def test_scheduler_learns_the_step_time_the_profile_lacks(tiny_target, fitted_drafter, baseline, measure):
-    """A curve claiming 0.1 ms steps: every real step (drafting included) is slower, so the
-    learned overhead is positive and enters the policy's curve; off when switched off."""
-    fast = [[1, 10000.0], [64, 9000.0]]
-    options = {"vllm_dspark": {"policy": "dspark", "sps_table": fast, "measure_step_overhead": measure}}
+@pytest.mark.parametrize("case", ["profile_too_fast", "profile_too_slow", "switched_off"])
+def test_scheduler_learns_the_step_time_the_profile_lacks(tiny_target, fitted_drafter, baseline, case):
+    """A curve claiming 0.1 ms steps: real steps (drafting included) are slower, so the learned
+    offset is positive and enters the policy's curve. A curve claiming 1 s steps: the offset
+    is negative, clamped so that steps keep half their profiled time. Off when switched off."""
+    table = [[1, 1.0], [64, 0.9]] if case == "profile_too_slow" else [[1, 10000.0], [64, 9000.0]]
+    measure = case != "switched_off"
+    options = {"vllm_dspark": {"policy": "dspark", "sps_table": table, "measure_step_overhead": measure}}
     llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
     assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
     scheduler = engine_scheduler(llm)
@@ -259,7 +261,11 @@ def test_scheduler_learns_the_step_time_the_profile_lacks(tiny_target, fitted_dr
         assert scheduler.step_overhead.samples == 0 and scheduler.policy_curve is scheduler.sps_curve
         return
     assert scheduler.step_overhead.samples > MAX_TOKENS // 2
-    assert scheduler.step_overhead.seconds > 0
     learned = scheduler.policy_curve.step_time(8) - scheduler.sps_curve.step_time(8)
-    assert learned == pytest.approx(scheduler.step_overhead.seconds, rel=0.06)
-    assert scheduler.dspark_stats.step_overhead_ms == pytest.approx(1000 * scheduler.step_overhead.seconds)
+    assert scheduler.dspark_stats.step_overhead_ms == pytest.approx(1000 * learned, rel=0.06)
+    if case == "profile_too_fast":
+        assert learned > 0
+        assert learned == pytest.approx(scheduler.step_overhead.seconds, rel=0.06)
+    else:
+        assert scheduler.step_overhead.seconds < -0.5
+        assert learned == pytest.approx(-0.5, rel=0.06), "clamped at half the fastest profiled step"

@@ -18,8 +18,8 @@ def test_first_sample_then_moving_average():
     assert estimator.seconds == pytest.approx(0.020)
     assert estimator.observe(0.020, 0.010)
     assert estimator.seconds == pytest.approx(0.015)
-    assert estimator.observe(0.005, 0.010)  # faster than the profile: the sample is 0
-    assert estimator.seconds == pytest.approx(0.0075)
+    assert estimator.observe(0.005, 0.010)  # faster than the profile: a negative sample
+    assert estimator.seconds == pytest.approx(0.005)
     assert estimator.samples == 3
 
 
@@ -52,8 +52,11 @@ def test_curve_with_overhead_adds_the_time_everywhere():
     np.testing.assert_allclose(shifted.step_time(batches), CPU_CURVE.step_time(batches) + 0.02)
     np.testing.assert_allclose(shifted.over_range(1, 70), 1.0 / (1.0 / CPU_CURVE.over_range(1, 70) + 0.02))
     assert CPU_CURVE.with_step_overhead(0.0) == CPU_CURVE
-    with pytest.raises(ValueError, match="overhead"):
-        CPU_CURVE.with_step_overhead(float("nan"))
+    faster = CPU_CURVE.with_step_overhead(-0.01)  # a profile slower than the engine
+    np.testing.assert_allclose(faster.step_time(batches), CPU_CURVE.step_time(batches) - 0.01)
+    for bad in (float("nan"), -CPU_CURVE.min_step_time):
+        with pytest.raises(ValueError, match="overhead"):
+            CPU_CURVE.with_step_overhead(bad)
 
 
 def test_drafting_cost_makes_the_policy_verify_more():

@@ -25,7 +25,7 @@ from vllm_dspark.engine_profile import cached_profile_path, profile_key
 from vllm_dspark.integration.metrics import METRICS_FILE_KEY, DSparkStats
 from vllm_dspark.kernels import dispatch
 from vllm_dspark.scheduling import SpsCurve, dspark_budget, select_verify_lengths
-from vllm_dspark.scheduling.overhead import StepOverheadEstimator
+from vllm_dspark.scheduling.overhead import MIN_STEP_FRACTION, StepOverheadEstimator
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +120,11 @@ class DSparkScheduler(Scheduler):
         started, tokens = self._previous_step
         if not self.step_overhead.observe(now - started, self.sps_curve.step_time(tokens)):
             return
-        overhead = self.step_overhead.seconds
+        fastest = self.sps_curve.min_step_time
+        overhead = max(self.step_overhead.seconds, -(1.0 - MIN_STEP_FRACTION) * fastest)
         self.dspark_stats.step_overhead_ms = 1000.0 * overhead
-        in_curve = self.policy_curve.step_time(1) - self.sps_curve.step_time(1)
-        if abs(overhead - in_curve) > max(0.05 * in_curve, 1e-4):  # rebuild on a 5% / 0.1 ms change
+        in_curve = self.policy_curve.min_step_time - fastest
+        if abs(overhead - in_curve) > max(0.05 * abs(in_curve), 1e-4):  # rebuild on a 5% / 0.1 ms change
             self.policy_curve = self.sps_curve.with_step_overhead(overhead)
 
     def _trim_drafts(self) -> None:

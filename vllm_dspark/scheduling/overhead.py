@@ -1,25 +1,30 @@
-"""Per-step time the SPS profile does not contain, learned from the running engine.
+"""Per-step time the SPS profile does not predict, learned from the running engine.
 
 `vllm-dspark profile` times target decode passes. A speculative step also runs the
 drafter and the proposer, a cost that depends on the number of requests but not on how
-many drafts are verified. The policies compare expected tokens per second over candidate
-verification lengths; leaving this fixed cost out overstates how much each extra verified
-token slows the step, so they verify too few drafts (measured here on CPU: the `dspark`
-policy fell below verifying all drafts at one request).
+many drafts are verified; and a profile taken under another configuration (context
+length, batch limits, a busy moment) is off by a roughly constant amount too. The
+policies compare expected tokens per second over candidate verification lengths, so a
+constant left out of the step time misprices every extra verified token: too few drafts
+are verified when steps really take longer than the profile says, too many when shorter.
 
 The scheduler times consecutive steps and feeds (measured, profiled) step times to
 `StepOverheadEstimator`; the policies then use `SpsCurve.with_step_overhead(seconds)`,
-whose step time is T_profile(B) + overhead.
+whose step time is T_profile(B) + seconds. The offset is signed, and the curve never
+gets below half its own fastest step (`MIN_STEP_FRACTION`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A learned negative offset may shorten the profile's steps to this fraction, no further.
+MIN_STEP_FRACTION = 0.5
+
 
 @dataclass
 class StepOverheadEstimator:
-    """Exponential moving average of max(0, measured - profiled) step time.
+    """Exponential moving average of measured minus profiled step time (signed).
 
     A step longer than `outlier_factor` times the typical measured step (a moving average
     too) is a stall, not a step, and is skipped; so is a non-positive interval. The outlier
@@ -45,7 +50,7 @@ class StepOverheadEstimator:
         if measured_s <= 0.0 or (self.samples and measured_s > self.outlier_factor * self.typical_step_s):
             return False
         weight = 1.0 if self.samples == 0 else self.smoothing
-        self.seconds += weight * (max(0.0, measured_s - profiled_s) - self.seconds)
+        self.seconds += weight * (measured_s - profiled_s - self.seconds)
         self.typical_step_s += weight * (measured_s - self.typical_step_s)
         self.samples += 1
         return True

@@ -85,14 +85,19 @@ class SpsCurve(pydantic.BaseModel):
         """Steps per second for passes of `batch_tokens` tokens (vectorised)."""
         return 1.0 / self.step_time(batch_tokens)
 
+    @property
+    def min_step_time(self) -> float:
+        """Seconds of the fastest step on the curve."""
+        return 1.0 / max(sps for _, sps in self.points)
+
     def with_step_overhead(self, seconds: float) -> SpsCurve:
-        """The curve with `seconds` added to every step (work the profile did not time).
+        """The curve with `seconds` added to every step (negative: removed).
 
         Exact for the interpolation: step time is linear between points, so adding a
         constant to each point adds it everywhere, the tail included.
         """
-        if not math.isfinite(seconds) or seconds < 0:
-            raise ValueError(f"step overhead must be finite and >= 0, got {seconds}")
+        if not math.isfinite(seconds) or seconds <= -self.min_step_time:
+            raise ValueError(f"step overhead must be finite and > -{self.min_step_time:.6f} s, got {seconds}")
         points = [(batch, 1.0 / (1.0 / sps + seconds)) for batch, sps in self.points]
         return SpsCurve(points=points, metadata=self.metadata)
 
