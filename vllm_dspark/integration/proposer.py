@@ -125,8 +125,17 @@ def fused_sequential_draft(
         seeds,
         hidden=hidden,
         conf_weight=proj.weight.view(-1),
-        conf_bias=float(proj.bias),
+        conf_bias=confidence_bias(model.confidence_head),
         conf_temps=model.confidence_temperatures,
         return_probs=temperature is not None,
     )
     return DraftOutput(tokens=fused.tokens, probs=fused.probs, confidences=fused.confidence)
+
+
+def confidence_bias(head: torch.nn.Module) -> float:
+    """The confidence head's bias as a Python float, read once per model: reading a CUDA
+    tensor every step would make the host wait for the GPU (weights are frozen in serving)."""
+    value = getattr(head, "serving_bias", None)
+    if value is None:
+        value = head.serving_bias = float(head.proj.bias.detach())
+    return value
