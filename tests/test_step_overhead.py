@@ -31,6 +31,16 @@ def test_stalls_and_bad_intervals_are_skipped():
     assert estimator.samples == 1 and estimator.seconds == pytest.approx(0.005)
 
 
+def test_a_lasting_slowdown_is_learned_not_skipped_forever():
+    """Light traffic, then steps 10x longer for good: after a few skips they count."""
+    estimator = StepOverheadEstimator(max_skipped=3)
+    for _ in range(5):
+        estimator.observe(0.010, 0.010)
+    used = [estimator.observe(0.100, 0.010) for _ in range(6)]
+    assert used == [False, False, False, True, True, True]
+    assert estimator.seconds > 0.02
+
+
 def test_a_wrong_profile_does_not_make_every_step_an_outlier():
     """Outliers are judged against measured steps, not the profile: a curve 100x too fast
     still yields an estimate (the whole difference)."""

@@ -96,6 +96,13 @@ def time_decode_steps(llm, batch: int, context_len: int, steps: int, vocab_size:
     return timings
 
 
+def model_max_len(model: str) -> int:
+    """The model's longest context, from its Hugging Face config."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model).max_position_embeddings)
+
+
 # Warn when making the curve monotone moves a point by more than this fraction.
 NOISE_WARNING = 0.2
 
@@ -136,8 +143,10 @@ def profile_engine(
         dtype=dtype,
         enforce_eager=engine_kwargs.pop("enforce_eager", True),
         max_num_seqs=max_batch,
-        # Room for early requests to decode through the others' prefill (B * context tokens).
-        max_model_len=context_len + steps + max_batch * context_len // 64 + 64,
+        # Room for early requests to decode through the others' prefill (B * context tokens),
+        # within the model's own limit (a shortfall is caught by time_decode_steps).
+        max_model_len=min(context_len + steps + max_batch * context_len // 64 + 64, model_max_len(model)),
+        async_scheduling=False,  # as the speculative engine runs: one step at a time
         enable_prefix_caching=False,
         seed=seed,
         skip_tokenizer_init=True,  # prompts are token ids

@@ -53,6 +53,8 @@ class VllmDSparkDraftModel(DFlashQwen3ForCausalLM):
                     yield name, tensor
 
         super().load_weights(backbone_weights())
+        if self.confidence_head is not None:
+            self.confidence_head.serving_bias = None  # re-read by the proposer after a reload
         expected = {n for n in head_params if n.startswith(HEAD_PREFIXES)}
         if expected - loaded_heads:
             raise ValueError(f"drafter checkpoint lacks head weights {sorted(expected - loaded_heads)}")

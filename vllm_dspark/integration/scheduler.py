@@ -53,6 +53,11 @@ class DSparkScheduler(Scheduler):
         # The curve the policies use: the profile plus the learned per-step overhead.
         self.policy_curve = self.sps_curve
         self.step_overhead = StepOverheadEstimator()
+        # With pipeline parallelism the engine schedules the next batches before the first
+        # finishes, so the time between schedule() calls is not a step: nothing to learn.
+        self.learns_step_overhead = (
+            self.dspark_options.measure_step_overhead and self.vllm_config.max_concurrent_batches == 1
+        )
         self._previous_step: tuple[float, int] | None = None  # (start time, tokens in the pass)
         self.dspark_stats = DSparkStats(policy=str(self.dspark_options.policy))
         self.recent_decisions: deque[VerifyDecision] = deque(maxlen=4096)
@@ -61,6 +66,10 @@ class DSparkScheduler(Scheduler):
         self._predictions: dict[str, tuple[int, float]] = {}
         self._async_budget: int | None = None
         self.admission_device = admission_device()
+        # A stream of its own: reading the lengths back then waits for this small kernel,
+        # not for model work queued on the default stream.
+        on_gpu = self.admission_device is not None and self.admission_device.type == "cuda"
+        self._admission_stream = torch.cuda.Stream(self.admission_device) if on_gpu else None
         self._metrics_file = (self.vllm_config.additional_config or {}).get(METRICS_FILE_KEY)
         self._last_log = self._last_snapshot = time.monotonic()
         logger.info(
@@ -115,7 +124,7 @@ class DSparkScheduler(Scheduler):
     def _learn_step_overhead(self, now: float) -> None:
         """Time since the previous step started = that step's wall time (the schedule ->
         execute -> update loop); compare it with the profile at that pass size."""
-        if self._previous_step is None or self.sps_curve is None or not self.dspark_options.measure_step_overhead:
+        if self._previous_step is None or self.sps_curve is None or not self.learns_step_overhead:
             return
         started, tokens = self._previous_step
         if not self.step_overhead.observe(now - started, self.sps_curve.step_time(tokens)):
@@ -152,8 +161,9 @@ class DSparkScheduler(Scheduler):
             self._async_budget = dspark_budget(confidences, self.policy_curve, base_tokens=base_tokens)
         if policy == "dspark_async" and self.admission_device is not None:
             # The same top-budget selection as the NumPy policy (tests hold them equal).
-            on_device = torch.as_tensor(confidences, device=self.admission_device)
-            lengths = dispatch.admission_lengths(on_device, int(options["budget"])).cpu().numpy()
+            with torch.cuda.stream(self._admission_stream):  # no-op without one
+                on_device = torch.as_tensor(confidences, device=self.admission_device)
+                lengths = dispatch.admission_lengths(on_device, int(options["budget"])).cpu().numpy()
         else:
             lengths = select_verify_lengths(
                 confidences, self.policy_curve or _no_curve, policy, base_tokens=base_tokens, **options

@@ -26,18 +26,23 @@ MIN_STEP_FRACTION = 0.5
 class StepOverheadEstimator:
     """Exponential moving average of measured minus profiled step time (signed).
 
-    A step longer than `outlier_factor` times the typical measured step (a moving average
-    too) is a stall, not a step, and is skipped; so is a non-positive interval. The outlier
-    test reads measured times only, so it holds however wrong the profile is. Idle gaps
-    between requests are the caller's to leave out. `smoothing` is the weight of each new
-    sample; the first sample is taken as is.
+    A step longer than `outlier_factor` times the expected step is a stall, not a step, and
+    is skipped; so is a non-positive interval. The expected step is the larger of the
+    typical measured step (a moving average too, so a profile far off does not make every
+    step an outlier) and the profiled step plus the offset (so heavier traffic, whose
+    profiled steps are longer, is not either). After `max_skipped` skips in a row the next
+    interval is taken as is, as the start of a new regime, so the estimate cannot freeze. Idle gaps between requests are
+    the caller's to leave out. `smoothing` is the weight of each new sample; the first
+    sample is taken as is.
     """
 
     smoothing: float = 0.1
     outlier_factor: float = 4.0
+    max_skipped: int = 8
     seconds: float = 0.0
     typical_step_s: float = 0.0
     samples: int = 0
+    skipped_in_a_row: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.smoothing <= 1.0:
@@ -47,9 +52,16 @@ class StepOverheadEstimator:
 
     def observe(self, measured_s: float, profiled_s: float) -> bool:
         """Take one step's measured wall time; True if it was used."""
-        if measured_s <= 0.0 or (self.samples and measured_s > self.outlier_factor * self.typical_step_s):
+        if measured_s <= 0.0:
             return False
-        weight = 1.0 if self.samples == 0 else self.smoothing
+        expected = max(self.typical_step_s, profiled_s + self.seconds)
+        stall = self.samples > 0 and measured_s > self.outlier_factor * expected
+        if stall and self.skipped_in_a_row < self.max_skipped:
+            self.skipped_in_a_row += 1
+            return False
+        self.skipped_in_a_row = 0
+        # A first sample, or the end of a run of skips (a new regime): taken as is.
+        weight = 1.0 if self.samples == 0 or stall else self.smoothing
         self.seconds += weight * (measured_s - profiled_s - self.seconds)
         self.typical_step_s += weight * (measured_s - self.typical_step_s)
         self.samples += 1
