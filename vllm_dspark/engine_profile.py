@@ -96,11 +96,15 @@ def time_decode_steps(llm, batch: int, context_len: int, steps: int, vocab_size:
     return timings
 
 
-def model_max_len(model: str) -> int:
-    """The model's longest context, from its Hugging Face config."""
+def profile_max_model_len(model: str, context_len: int, steps: int, max_batch: int) -> int:
+    """Room for early requests to decode through the others' prefill (B * context tokens),
+    within the model's own limit where its config states one (a shortfall is caught by
+    `time_decode_steps`)."""
     from transformers import AutoConfig
 
-    return int(AutoConfig.from_pretrained(model).max_position_embeddings)
+    wanted = context_len + steps + max_batch * context_len // 64 + 64
+    limit = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    return min(wanted, int(limit)) if limit else wanted
 
 
 # Warn when making the curve monotone moves a point by more than this fraction.
@@ -143,9 +147,7 @@ def profile_engine(
         dtype=dtype,
         enforce_eager=engine_kwargs.pop("enforce_eager", True),
         max_num_seqs=max_batch,
-        # Room for early requests to decode through the others' prefill (B * context tokens),
-        # within the model's own limit (a shortfall is caught by time_decode_steps).
-        max_model_len=min(context_len + steps + max_batch * context_len // 64 + 64, model_max_len(model)),
+        max_model_len=profile_max_model_len(model, context_len, steps, max_batch),
         async_scheduling=False,  # as the speculative engine runs: one step at a time
         enable_prefix_caching=False,
         seed=seed,
