@@ -6,8 +6,9 @@ uses nothing the kernel lacks (sliding window, ALiBi, soft cap, sinks, a quantis
 shared KV cache, context parallelism, non-causal masks), attention runs in
 `vllm_dspark.kernels.verify_attention`: one launch for all requests, no padding to the
 longest. Everything else (prefill chunks, encoder attention, the profiling run, prefix-LM
-and sliding-prefix masks, batch-invariant mode) goes to FlashAttention unchanged. The KV-cache layout and the cache writes are FlashAttention's,
-so either path can serve any step.
+and sliding-prefix masks, batch-invariant mode) goes to FlashAttention unchanged. The
+KV-cache layout and the cache writes are FlashAttention's, so either path can serve any
+step.
 
 Select it with `--attention-backend CUSTOM` (the plugin registers it there; see
 `vllm_patches.py`). `VLLM_DSPARK_FORCE_REFERENCE=1` or a machine without CUDA and Triton

@@ -25,7 +25,7 @@ from vllm_dspark.engine_profile import cached_profile_path, profile_key
 from vllm_dspark.integration.metrics import METRICS_FILE_KEY, DSparkStats
 from vllm_dspark.kernels import dispatch
 from vllm_dspark.scheduling import SpsCurve, dspark_budget, select_verify_lengths
-from vllm_dspark.scheduling.overhead import MIN_STEP_FRACTION, StepOverheadEstimator
+from vllm_dspark.scheduling.overhead import StepOverheadEstimator, offset_for
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,9 @@ class DSparkScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.dspark_options = PluginOptions.from_additional_config(self.vllm_config.additional_config)
         self.sps_curve = self._load_sps_curve()
-        # The curve the policies use: the profile plus the learned per-step overhead.
+        # The curve the policies use: the profile plus the learned per-step offset.
         self.policy_curve = self.sps_curve
+        self._applied_offset = 0.0  # the offset in policy_curve
         self.step_overhead = StepOverheadEstimator()
         # With pipeline parallelism the engine schedules the next batches before the first
         # finishes, so the time between schedule() calls is not a step: nothing to learn.
@@ -129,12 +130,11 @@ class DSparkScheduler(Scheduler):
         started, tokens = self._previous_step
         if not self.step_overhead.observe(now - started, self.sps_curve.step_time(tokens)):
             return
-        fastest = self.sps_curve.min_step_time
-        overhead = max(self.step_overhead.seconds, -(1.0 - MIN_STEP_FRACTION) * fastest)
-        self.dspark_stats.step_overhead_ms = 1000.0 * overhead
-        in_curve = self.policy_curve.min_step_time - fastest
-        if abs(overhead - in_curve) > max(0.05 * abs(in_curve), 1e-4):  # rebuild on a 5% / 0.1 ms change
-            self.policy_curve = self.sps_curve.with_step_overhead(overhead)
+        offset = offset_for(self.sps_curve, self.step_overhead.seconds)
+        self.dspark_stats.step_overhead_ms = 1000.0 * offset
+        if abs(offset - self._applied_offset) > max(0.05 * abs(self._applied_offset), 1e-4):  # 5% / 0.1 ms
+            self.policy_curve = self.sps_curve.with_step_overhead(offset)
+            self._applied_offset = offset
 
     def _trim_drafts(self) -> None:
         drafting = [r for r in self.running if r.spec_token_ids]

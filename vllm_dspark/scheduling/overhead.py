@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm_dspark.scheduling.sps import SpsCurve
+
 # A learned negative offset may shorten the profile's steps to this fraction, no further.
 MIN_STEP_FRACTION = 0.5
 
@@ -31,9 +33,9 @@ class StepOverheadEstimator:
     typical measured step (a moving average too, so a profile far off does not make every
     step an outlier) and the profiled step plus the offset (so heavier traffic, whose
     profiled steps are longer, is not either). After `max_skipped` skips in a row the next
-    interval is taken as is, as the start of a new regime, so the estimate cannot freeze. Idle gaps between requests are
-    the caller's to leave out. `smoothing` is the weight of each new sample; the first
-    sample is taken as is.
+    interval is taken as is, as the start of a new regime, so the estimate cannot freeze.
+    Idle gaps between requests are the caller's to leave out. `smoothing` is the weight of
+    each new sample; the first sample is taken as is.
     """
 
     smoothing: float = 0.1
@@ -66,3 +68,9 @@ class StepOverheadEstimator:
         self.typical_step_s += weight * (measured_s - self.typical_step_s)
         self.samples += 1
         return True
+
+
+def offset_for(curve: SpsCurve, seconds: float) -> float:
+    """The learned offset as applied to `curve`: never below what would shorten its fastest
+    step to `MIN_STEP_FRACTION` of itself."""
+    return max(seconds, -(1.0 - MIN_STEP_FRACTION) * curve.min_step_time)

@@ -36,6 +36,7 @@ class SpsCurve(pydantic.BaseModel):
     _batch: np.ndarray = pydantic.PrivateAttr()
     _step_time: np.ndarray = pydantic.PrivateAttr()
     _per_token: np.ndarray = pydantic.PrivateAttr(default_factory=lambda: np.empty(0))
+    _min_step_time: float = pydantic.PrivateAttr()
 
     @pydantic.field_validator("points")
     @classmethod
@@ -58,6 +59,7 @@ class SpsCurve(pydantic.BaseModel):
     def model_post_init(self, __context: object) -> None:
         batch = [float(b) for b, _ in self.points]
         step_time = [1.0 / s for _, s in self.points]
+        self._min_step_time = min(step_time)
         slope = 0.0
         if len(batch) > 1:
             slope = max(0.0, (step_time[-1] - step_time[-2]) / (batch[-1] - batch[-2]))
@@ -88,7 +90,7 @@ class SpsCurve(pydantic.BaseModel):
     @property
     def min_step_time(self) -> float:
         """Seconds of the fastest step on the curve."""
-        return 1.0 / max(sps for _, sps in self.points)
+        return self._min_step_time
 
     def with_step_overhead(self, seconds: float) -> SpsCurve:
         """The curve with `seconds` added to every step (negative: removed).
