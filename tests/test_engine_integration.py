@@ -116,6 +116,32 @@ def test_metrics_snapshot_reaches_prometheus_families(tiny_target, fitted_drafte
     assert f'vllm_dspark_verified_draft_tokens_total{{policy="dspark"}} {float(stats.verified)}' in text
     assert f'vllm_dspark_pruned_draft_tokens_total{{policy="dspark"}} {float(stats.pruned)}' in text
     assert 'vllm_dspark_verification_budget_bucket{le="+Inf",policy="dspark"}' in text
+    assert stats.confidence_shifts, "live recalibration is on by default"
+    assert f'vllm_dspark_confidence_logit_shift{{policy="dspark",position="1"}} {stats.confidence_shifts[0]}' in text
+
+
+def test_online_recalibration_corrects_miscalibrated_drafts(tiny_target, fitted_drafter, baseline):
+    """The fitted drafter's confidences (fitted to transitions, not calibrated) predict
+    acceptance badly. Verifying every draft (fixed policy), after one warm-up round the
+    recalibrated predictions must track the observed acceptance much better than the raw
+    ones, with outputs still exact."""
+    errors, shifts = {}, {}
+    for recalibrate in (False, True):
+        options = {"vllm_dspark": {"policy": "fixed", "recalibrate": recalibrate, "recalibration_rate": 0.6}}
+        llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
+        stats = engine_scheduler(llm).dspark_stats
+        assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline  # warm-up round
+        before = (stats.verified, stats.accepted, stats.predicted_accepted)
+        assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
+        verified, accepted, predicted = (now - then for now, then in zip((stats.verified, stats.accepted, stats.predicted_accepted), before))
+        errors[recalibrate] = (predicted - accepted) / verified
+        shifts[recalibrate] = stats.confidence_shifts
+        del llm
+    assert abs(errors[False]) > 0.1, "the fixture drafter should be miscalibrated"
+    assert abs(errors[True]) < abs(errors[False]) / 2
+    # Under-confident drafts get a positive shift, over-confident ones a negative one.
+    assert np.sign(shifts[True][0]) == -np.sign(errors[False])
+    assert not shifts[False]
 
 
 def test_sampling_with_draft_probabilities_runs(tiny_target, fitted_drafter):

@@ -26,6 +26,7 @@ from vllm_dspark.integration.metrics import METRICS_FILE_KEY, DSparkStats
 from vllm_dspark.kernels import dispatch
 from vllm_dspark.scheduling import SpsCurve, dspark_budget, select_verify_lengths
 from vllm_dspark.scheduling.overhead import StepOverheadEstimator, offset_for
+from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,16 @@ class VerifyDecision:
     verified: np.ndarray  # [R] drafts kept for verification
     confidences: np.ndarray  # [R, K] conditional confidences used (0 where absent)
     base_tokens: int
+
+
+@dataclass(frozen=True)
+class PendingVerification:
+    """A scheduled step's drafts, kept until its output shows what the target accepted."""
+
+    req_ids: tuple[str, ...]
+    raw_confidences: np.ndarray  # [R, K] as the drafter sent them (after the NaN fallback)
+    verified: np.ndarray  # [R]
+    predicted: np.ndarray  # [R] expected accepted drafts (sum of calibrated survival)
 
 
 class DSparkScheduler(Scheduler):
@@ -63,8 +74,13 @@ class DSparkScheduler(Scheduler):
         self.dspark_stats = DSparkStats(policy=str(self.dspark_options.policy))
         self.recent_decisions: deque[VerifyDecision] = deque(maxlen=4096)
         self._confidences: dict[str, np.ndarray] = {}
-        # Per request verified this step: (drafts verified, predicted accepted drafts).
-        self._predictions: dict[str, tuple[int, float]] = {}
+        self.recalibrator = (
+            OnlineRecalibrator(learning_rate=self.dspark_options.recalibration_rate)
+            if self.dspark_options.recalibrate
+            else None
+        )
+        # One entry per scheduled step, oldest first (several are in flight under PP).
+        self._pending: deque[PendingVerification | None] = deque(maxlen=16)
         self._async_budget: int | None = None
         self.admission_device = admission_device()
         # A stream of its own: reading the lengths back then waits for this small kernel,
@@ -116,7 +132,7 @@ class DSparkScheduler(Scheduler):
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         started = time.perf_counter()
         self._learn_step_overhead(started)
-        self._trim_drafts()
+        self._pending.append(self._trim_drafts())
         output = super().schedule(*args, **kwargs)
         tokens = output.total_num_scheduled_tokens
         self._previous_step = (started, tokens) if tokens else None
@@ -136,12 +152,13 @@ class DSparkScheduler(Scheduler):
             self.policy_curve = self.sps_curve.with_step_overhead(offset)
             self._applied_offset = offset
 
-    def _trim_drafts(self) -> None:
+    def _trim_drafts(self) -> PendingVerification | None:
         drafting = [r for r in self.running if r.spec_token_ids]
         if not drafting:
-            return
+            return None
         proposed = np.array([len(r.spec_token_ids) for r in drafting], dtype=np.int64)
-        confidences = self._confidence_matrix(drafting, int(proposed.max()))
+        raw_confidences = self._confidence_matrix(drafting, int(proposed.max()))
+        confidences = raw_confidences if self.recalibrator is None else self.recalibrator.apply(raw_confidences)
         options: dict[str, object] = {}
         policy = self.dspark_options.policy
         if policy == "fixed" and self.dspark_options.k is not None:
@@ -169,15 +186,15 @@ class DSparkScheduler(Scheduler):
                 confidences, self.policy_curve or _no_curve, policy, base_tokens=base_tokens, **options
             )
         verified = np.minimum(lengths, proposed)
-        survival = np.cumprod(confidences, axis=1)
-        for row, (request, keep) in enumerate(zip(drafting, verified)):
+        for request, keep in zip(drafting, verified):
             if keep < len(request.spec_token_ids):
                 request.spec_token_ids = request.spec_token_ids[: int(keep)]
-            self._predictions[request.request_id] = (int(keep), float(survival[row, :keep].sum()))
+        survival = np.cumprod(confidences, axis=1)
+        predicted = np.where(np.arange(survival.shape[1]) < verified[:, None], survival, 0.0).sum(axis=1)
+        req_ids = tuple(r.request_id for r in drafting)
         self.dspark_stats.record_decision(proposed, verified)
-        self.recent_decisions.append(
-            VerifyDecision(tuple(r.request_id for r in drafting), proposed, verified, confidences, base_tokens)
-        )
+        self.recent_decisions.append(VerifyDecision(req_ids, proposed, verified, confidences, base_tokens))
+        return PendingVerification(req_ids, raw_confidences, verified, predicted)
 
     def _confidence_matrix(self, drafting: list[Request], width: int) -> np.ndarray:
         """[R, K] confidences; a request without them gets zeros (verify nothing), and
@@ -228,19 +245,28 @@ class DSparkScheduler(Scheduler):
         return outputs
 
     def _record_acceptance(self, model_runner_output: ModelRunnerOutput) -> None:
-        """Observed accepted drafts against the confidences' prediction (live calibration)."""
-        if not self._predictions:
+        """Observed accepted drafts against the confidences' prediction (live calibration
+        error), and the outcome for the online recalibration."""
+        pending = self._pending.popleft() if self._pending else None
+        if pending is None:
             return
         index = model_runner_output.req_id_to_index
         sampled = model_runner_output.sampled_token_ids
-        for req_id, (verified, predicted) in self._predictions.items():
-            row = index.get(req_id)
-            if row is None or row >= len(sampled) or not verified:
+        verified = pending.verified.copy()
+        accepted = np.zeros_like(verified)
+        for row, req_id in enumerate(pending.req_ids):
+            out = index.get(req_id)
+            if out is None or out >= len(sampled):
+                verified[row] = 0  # no output for it this step: nothing was judged
                 continue
             # The target emits the accepted drafts plus one token of its own.
-            self.dspark_stats.accepted += min(verified, max(0, len(sampled[row]) - 1))
-            self.dspark_stats.predicted_accepted += predicted
-        self._predictions.clear()
+            accepted[row] = min(verified[row], max(0, len(sampled[out]) - 1))
+        self.dspark_stats.accepted += int(accepted.sum())
+        self.dspark_stats.predicted_accepted += float(pending.predicted[verified > 0].sum())
+        if self.recalibrator is not None:
+            self.recalibrator.observe(pending.raw_confidences, verified, accepted)
+            self.dspark_stats.confidence_slopes = self.recalibrator.slopes.round(4).tolist()
+            self.dspark_stats.confidence_shifts = self.recalibrator.shifts.round(4).tolist()
 
     def _publish(self) -> None:
         """Snapshot for /metrics at most once a second, and whenever the engine goes idle
