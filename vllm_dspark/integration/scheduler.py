@@ -216,14 +216,21 @@ class DSparkScheduler(Scheduler):
     def _non_draft_tokens(self) -> int:
         """Prefill tokens expected in the pass besides the decoding requests' own (the policy
         counts one per decoding request itself): chunks of running requests, plus prompts of
-        waiting requests that fit the free sequence slots, which the parent admits after the
-        running ones. An estimate (prefix-cache hits and a full KV cache admit less), capped
-        by the step's token budget."""
+        waiting requests that fit the free request slots, taken in the parent's order (queue
+        of requests holding KV blocks first) and leaving out those blocked on a grammar,
+        remote KV or streaming input. An estimate (prefix-cache hits and a full KV cache
+        admit less), capped by the step's token budget."""
         prefill = sum(
             r.num_tokens - r.num_computed_tokens for r in self.running if not r.spec_token_ids
         )
-        free_slots = max(0, self.max_num_running_reqs - len(self.running))
-        prefill += sum(r.num_tokens - r.num_computed_tokens for r in islice(self.waiting, free_slots))
+        free_slots = max(0, self.max_num_active_reqs - len(self.running) - self.num_waiting_for_streaming_input)
+        admissible = (
+            r
+            for queue in (self.kv_holding_waiting, self.waiting)
+            for r in queue
+            if not self._is_blocked_waiting_status(r.status)
+        )
+        prefill += sum(r.num_tokens - r.num_computed_tokens for r in islice(admissible, free_slots))
         return int(min(prefill, self.max_num_scheduled_tokens))
 
     def _speed_floors(self, drafting: list[Request]) -> np.ndarray:
