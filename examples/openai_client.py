@@ -42,6 +42,8 @@ def spec_decode_metrics(base: str) -> dict[str, float]:
         if line.startswith(("vllm:spec_decode", "vllm_dspark")) and "_created" not in line:
             name, value = line.rsplit(" ", 1)
             key = name.split("{")[0]
+            if 'position="' in name:  # per-position gauges are shown one by one, not summed
+                key += "[" + name.split('position="')[1].split('"')[0] + "]"
             totals[key] = totals.get(key, 0.0) + float(value)
     return totals
 
