@@ -18,6 +18,11 @@ synthetic trace is generated (see `synthetic_trace` for its assumptions).
 Curves: the measured SmolLM2-135M CPU curve of ENVIRONMENT.md (step time extrapolated
 linearly beyond B = 128) and a stylised GPU-like curve (see `gpu_like_curve`).
 
+Live recalibration study: the trace's confidences are distorted the ways a drafter can be
+off in serving (biased or too sharp, see `MISCALIBRATIONS`), and `dspark` replays them
+with and without the scheduler's online recalibration (`OnlineRecalibrator`, fed each
+step's verified and accepted drafts, as in the engine).
+
 Outputs under benchmarks/results/: simulate_scheduling.json, .md and .png (Pareto plot of
 system tokens/s against per-user tokens/s, one point per concurrency).
 
@@ -37,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from vllm_dspark.scheduling import SpsCurve, dspark_budget, select_verify_lengths
+from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CPU_STEP_MS = {1: 84, 2: 91, 4: 96, 8: 112, 16: 146, 32: 183, 64: 308, 128: 473}
@@ -46,6 +52,9 @@ ASYNC_DELAY = 2
 # Distinct markers and dashes: several policies coincide on some curves.
 STYLES = {"threshold": ("s", ":"), "dspark": ("o", "-"), "dspark_async": ("^", "--"),
           "sla": ("x", "-."), "sla_tracked": ("+", ":")}  # dspark_async plans its budget on confidences this many steps old
+# Distortions of a calibrated trace for the recalibration study: (slope, shift) on the
+# confidence logit. The committed SmolLM2 drafter was over-confident in serving.
+MISCALIBRATIONS = {"over-confident": (1.0, 1.5), "under-confident": (1.0, -1.5), "too sharp": (2.0, 0.0)}
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,13 @@ def synthetic_trace(num_requests: int, block: int, seed: int) -> Trace:
     return trace_from_rounds(confidences, accepted, request)
 
 
+def distort(trace: Trace, slope: float, shift: float) -> Trace:
+    """The same rounds with confidences sigmoid(slope * logit(c) + shift)."""
+    c = np.clip(trace.confidences, 1e-6, 1.0 - 1e-6)
+    logits = slope * (np.log(c) - np.log1p(-c)) + shift
+    return Trace(1.0 / (1.0 + np.exp(-logits)), trace.accepted, trace.starts, trace.lengths)
+
+
 def calibration_error(trace: Trace) -> float:
     """Expected calibration error of prefix survival a_k against observed survival (10 bins)."""
     a = np.cumprod(trace.confidences, axis=1).ravel()
@@ -166,10 +182,17 @@ def policies(block: int, threshold: float, floor: float) -> dict[str, tuple[str,
 
 
 def simulate(
-    trace: Trace, sps: SpsCurve, slots: int, policy: str, options: dict, floor: float
+    trace: Trace,
+    sps: SpsCurve,
+    slots: int,
+    policy: str,
+    options: dict,
+    floor: float,
+    recalibrator: OnlineRecalibrator | None = None,
 ) -> dict:
     """Closed-loop replay at fixed concurrency; throughput, per-user speeds, share of users
-    (slots) whose realised speed reaches `floor`."""
+    (slots) whose realised speed reaches `floor`. With a recalibrator the policy sees
+    recalibrated confidences, and each step's outcome is fed back to it."""
     steps = max(MIN_STEPS, math.ceil(ROUNDS_PER_POINT / slots))
     groups = len(trace.starts)
     group = np.arange(slots) % groups
@@ -180,7 +203,8 @@ def simulate(
     verified = elapsed = 0.0
     for _ in range(steps):
         rounds = trace.starts[group] + offset
-        confidences = trace.confidences[rounds]
+        raw = trace.confidences[rounds]
+        confidences = raw if recalibrator is None else recalibrator.apply(raw)
         if options.get("tracked"):
             behind = tokens < options["min_tokens_per_s"] * elapsed
             floors = np.where(behind, options["min_tokens_per_s"], 0.0)
@@ -193,7 +217,10 @@ def simulate(
             budget = dspark_budget(history[0], sps)
             lengths = select_verify_lengths(confidences, sps, policy, budget=budget)
         history.append(confidences)
-        tokens += np.minimum(trace.accepted[rounds], lengths) + 1
+        accepted = np.minimum(trace.accepted[rounds], lengths)
+        if recalibrator is not None:
+            recalibrator.observe(raw, lengths, accepted)
+        tokens += accepted + 1
         verified += lengths.sum()
         elapsed += float(sps.step_time(slots + int(lengths.sum())))
         offset += 1
@@ -244,6 +271,40 @@ def summarise(results: dict, block: int) -> list[str]:
             ]
             lines.append(f"- {policy} below the best fixed k by more than 0.5%: "
                          f"{', '.join(behind) if behind else 'nowhere'}")
+        lines.append("")
+    return lines
+
+
+def recalibration_study(trace: Trace, curves: dict[str, tuple[SpsCurve, float]]) -> dict:
+    """dspark throughput per curve and R: calibrated trace, then each distortion without
+    and with online recalibration."""
+    study: dict[str, dict[str, dict[str, float]]] = {}
+    for curve_name, (sps, floor) in curves.items():
+        study[curve_name] = {}
+        for slots in CONCURRENCY:
+            row = {"calibrated": simulate(trace, sps, slots, "dspark", {}, floor)["throughput"]}
+            for name, (slope, shift) in MISCALIBRATIONS.items():
+                distorted = distort(trace, slope, shift)
+                row[name] = simulate(distorted, sps, slots, "dspark", {}, floor)["throughput"]
+                row[f"{name}, recalibrated"] = simulate(
+                    distorted, sps, slots, "dspark", {}, floor, OnlineRecalibrator()
+                )["throughput"]
+            study[curve_name][str(slots)] = row
+    return study
+
+
+def recalibration_tables(study: dict) -> list[str]:
+    lines = ["## Live recalibration: dspark on distorted confidences", "",
+             "System tokens/s of `dspark`; the trace's confidences distorted as sigmoid(slope * logit(c) + shift): "
+             + ", ".join(f"{name} (slope {slope}, shift {shift:+})" for name, (slope, shift) in MISCALIBRATIONS.items())
+             + "; each without and with the scheduler's online recalibration (in brackets: change against the "
+             "calibrated trace).", ""]
+    for curve, by_r in study.items():
+        names = [n for n in next(iter(by_r.values())) if n != "calibrated"]
+        lines += [f"### {curve}", "", "| R | calibrated | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for r, row in by_r.items():
+            cells = [f"{row[n]:.1f} ({row[n] / row['calibrated'] - 1:+.1%})" for n in names]
+            lines.append(f"| {r} | {row['calibrated']:.1f} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
 
@@ -323,6 +384,7 @@ def main() -> None:
             results[curve_name][str(slots)] = row
             print(f"{curve_name} R={slots}: " + ", ".join(
                 f"{n}={v['throughput']:.0f}" for n, v in row.items()), flush=True)
+    study = recalibration_study(trace, curves)
     meta = {
         "trace": str(args.trace) if args.trace else f"synthetic(requests={args.requests}, seed={args.seed})",
         "rounds": int(len(trace.accepted)),
@@ -339,7 +401,7 @@ def main() -> None:
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "simulate_scheduling.json").write_text(
-        json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+        json.dumps({"meta": meta, "results": results, "recalibration": study}, indent=1) + "\n")
     names = list(policies(trace.block, args.threshold, 0.0))
     header = [
         "# Scheduling simulator", "",
@@ -350,7 +412,8 @@ def main() -> None:
         f"confidences {ASYNC_DELAY} steps old. Runtime {meta['runtime_s']} s.", "",
     ]
     (args.out_dir / "simulate_scheduling.md").write_text(
-        "\n".join(header + summarise(results, trace.block) + full_tables(results, names)) + "\n")
+        "\n".join(header + summarise(results, trace.block) + recalibration_tables(study)
+                  + full_tables(results, names)) + "\n")
     plot(results, trace.block, args.out_dir / "simulate_scheduling.png")
     print(f"done in {time.perf_counter() - start:.1f} s")
 
