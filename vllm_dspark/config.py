@@ -176,7 +176,7 @@ class PluginOptions(BaseModel):
     # Learn the per-step time the curve lacks (drafting) from measured steps; add it to SPS.
     measure_step_overhead: bool = True
     # Correct the drafter's confidences per position from the acceptance observed while
-    # serving (online logistic recalibration; see vllm_dspark/scheduling/recalibration.py).
+    # serving (online Platt scaling; see vllm_dspark/scheduling/recalibration.py).
     recalibrate: bool = True
     recalibration_rate: float = Field(default=0.05, gt=0.0, le=1.0)
     log_interval_s: float = Field(default=10.0, gt=0)
