@@ -53,6 +53,7 @@ def configurations(drafter: str, k: int, sps_table: list) -> dict[str, dict]:
         f"fixed-k{k}": dspark(policy="fixed"),
         "dspark": dspark(policy="dspark", sps_table=sps_table),
         "dspark, profile only": dspark(policy="dspark", sps_table=sps_table, measure_step_overhead=False),
+        "dspark, raw confidences": dspark(policy="dspark", sps_table=sps_table, recalibrate=False),
         "dspark_async": dspark(policy="dspark_async", sps_table=sps_table),
     }
 
@@ -120,7 +121,8 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         f"median wave of {meta.get('repeats', 1)}. "
         f"Measured {meta['date']} on {meta['hardware']}; machine shared with other jobs, so compare "
         "rows within one run. `dspark, profile only` is the dspark policy without the learned "
-        "per-step drafting overhead (`measure_step_overhead: false`).",
+        "per-step drafting overhead (`measure_step_overhead: false`); `dspark, raw confidences` the "
+        "dspark policy without live recalibration (`recalibrate: false`).",
         "",
         "| configuration | R | system tok/s | per-user tok/s | accepted length (steps with drafts) | verified drafts/step |",
         "|---|---|---|---|---|---|",

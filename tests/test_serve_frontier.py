@@ -21,13 +21,14 @@ def load_script():
 def test_configurations_are_valid_plugin_settings():
     frontier = load_script()
     configs = frontier.configurations("DRAFTER", 7, frontier.DEFAULT_SPS)
-    assert {"no-spec", "fixed-k7", "dspark", "dspark_async", "dspark, profile only"} <= configs.keys()
+    assert {"no-spec", "fixed-k7", "dspark", "dspark_async", "dspark, profile only", "dspark, raw confidences"} <= configs.keys()
     for name, settings in configs.items():
         plugin = settings.get("additional_config")
         if plugin is not None:
             options = PluginOptions.from_additional_config(plugin)  # raises on a bad setting
             assert settings["speculative_config"]["method"] == "vllm_dspark", name
             assert options.measure_step_overhead == (name != "dspark, profile only")
+            assert options.recalibrate == (name != "dspark, raw confidences")
 
 
 def test_report_has_every_row(tmp_path: Path):
