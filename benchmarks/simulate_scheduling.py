@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from vllm_dspark.scheduling import SpsCurve, dspark_budget, select_verify_lengths
-from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
+from vllm_dspark.scheduling.recalibration import OnlineRecalibrator, logit, sigmoid
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CPU_STEP_MS = {1: 84, 2: 91, 4: 96, 8: 112, 16: 146, 32: 183, 64: 308, 128: 473}
@@ -127,9 +127,8 @@ def synthetic_trace(num_requests: int, block: int, seed: int) -> Trace:
 
 def distort(trace: Trace, slope: float, shift: float) -> Trace:
     """The same rounds with confidences sigmoid(slope * logit(c) + shift)."""
-    c = np.clip(trace.confidences, 1e-6, 1.0 - 1e-6)
-    logits = slope * (np.log(c) - np.log1p(-c)) + shift
-    return Trace(1.0 / (1.0 + np.exp(-logits)), trace.accepted, trace.starts, trace.lengths)
+    confidences = sigmoid(slope * logit(trace.confidences) + shift)
+    return Trace(confidences, trace.accepted, trace.starts, trace.lengths)
 
 
 def calibration_error(trace: Trace) -> float:

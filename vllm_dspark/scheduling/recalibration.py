@@ -35,12 +35,14 @@ import numpy as np
 _EPS = 1e-6
 
 
-def _logit(p: np.ndarray) -> np.ndarray:
+def logit(p: np.ndarray) -> np.ndarray:
+    """log(p / (1 - p)), finite for p in [0, 1] (clipped by `_EPS`)."""
     p = np.clip(p, _EPS, 1.0 - _EPS)
     return np.log(p) - np.log1p(-p)
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-x)) without overflow warnings for large |x|."""
     return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
@@ -85,7 +87,7 @@ class OnlineRecalibrator:
         """[R, K] raw conditional confidences in [0, 1] -> calibrated ones."""
         width = confidences.shape[1]
         self._grow(width)
-        calibrated = _sigmoid(self.slopes[:width] * _logit(confidences) + self.shifts[:width])
+        calibrated = sigmoid(self.slopes[:width] * logit(confidences) + self.shifts[:width])
         return np.where(confidences > 0.0, calibrated, 0.0)
 
     def observe(self, confidences: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
@@ -99,7 +101,7 @@ class OnlineRecalibrator:
         judged = (positions < verified[:, None]) & (positions <= accepted[:, None]) & (confidences > 0.0)
         outcome = (positions < accepted[:, None]).astype(np.float64)
         error = np.where(judged, self.apply(confidences) - outcome, 0.0)  # d log-loss / d logit
-        logits = _logit(confidences)
+        logits = logit(confidences)
         count = judged.sum(axis=0)
         n = np.maximum(count, 1)
         grad_shift = error.sum(axis=0) / n
