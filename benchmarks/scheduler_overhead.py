@@ -3,8 +3,9 @@
 The policy runs on the engine's critical path once per step, so its cost must stay far
 below a step (tens of milliseconds on CPU, about ten on GPU). Measures the median of many
 single calls of `select_verify_lengths` (and of `dspark_budget`, which the asynchronous
-variant runs once per step as well) for R requests with K = 7 drafts each, cycling through
-a pool of different confidence arrays. Writes benchmarks/results/scheduler_overhead.{json,md}.
+variant runs once per step as well, and of the live recalibration's apply + observe, which
+every policy adds per step when `recalibrate` is on) for R requests with K = 7 drafts
+each, cycling through a pool of different confidence arrays. Writes benchmarks/results/scheduler_overhead.{json,md}.
 
 Usage: python benchmarks/scheduler_overhead.py [--calls N] [--out-dir DIR]
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from vllm_dspark.scheduling import SpsCurve, dspark_budget, select_verify_lengths
+from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
 
 REQUESTS = (1, 4, 16, 64, 256, 1024)
 BLOCK = 7
@@ -47,6 +49,15 @@ def median_us(call: Callable[[np.ndarray], object], pool: list[np.ndarray], call
 def cases(pool: list[np.ndarray]) -> dict[str, Callable[[np.ndarray], object]]:
     """One callable per measured row; the async budget comes from another pool entry."""
     budget = dspark_budget(pool[-1], CURVE)
+    recalibrator = OnlineRecalibrator()
+    num_requests = pool[0].shape[0]
+    verified = np.full(num_requests, BLOCK)
+    accepted = np.arange(num_requests) % (BLOCK + 1)
+
+    def recalibrate(c: np.ndarray) -> None:
+        recalibrator.apply(c)
+        recalibrator.observe(c, verified, accepted)
+
     return {
         "fixed": lambda c: select_verify_lengths(c, CURVE, "fixed"),
         "threshold": lambda c: select_verify_lengths(c, CURVE, "threshold", threshold=0.5),
@@ -54,6 +65,7 @@ def cases(pool: list[np.ndarray]) -> dict[str, Callable[[np.ndarray], object]]:
         "dspark_async": lambda c: select_verify_lengths(c, CURVE, "dspark_async", budget=budget),
         "dspark_budget": lambda c: dspark_budget(c, CURVE),
         "sla": lambda c: select_verify_lengths(c, CURVE, "sla", min_tokens_per_s=5.0),
+        "recalibrate": recalibrate,
     }
 
 

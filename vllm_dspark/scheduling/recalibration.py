@@ -99,14 +99,15 @@ class OnlineRecalibrator:
         positions = np.arange(width)
         accepted = np.minimum(accepted, verified)
         judged = (positions < verified[:, None]) & (positions <= accepted[:, None]) & (confidences > 0.0)
-        outcome = (positions < accepted[:, None]).astype(np.float64)
-        error = np.where(judged, self.apply(confidences) - outcome, 0.0)  # d log-loss / d logit
-        logits = logit(confidences)
-        count = judged.sum(axis=0)
+        # Only the judged drafts enter the gradient: work on them alone (a few per request).
+        rows, cols = np.nonzero(judged)
+        z = logit(confidences[rows, cols])
+        error = sigmoid(self.slopes[cols] * z + self.shifts[cols]) - (cols < accepted[rows])  # d log-loss / d logit
+        count = np.bincount(cols, minlength=width)
         n = np.maximum(count, 1)
-        grad_shift = error.sum(axis=0) / n
-        grad_slope = (error * logits).sum(axis=0) / n
-        scale = np.maximum(np.where(judged, logits**2, 0.0).sum(axis=0) / n, 1.0)
+        grad_shift = np.bincount(cols, error, width) / n
+        grad_slope = np.bincount(cols, error * z, width) / n
+        scale = np.maximum(np.bincount(cols, z * z, width) / n, 1.0)
         slopes = self.slopes[:width] - self.learning_rate * grad_slope / scale
         shifts = self.shifts[:width] - self.learning_rate * grad_shift
         # Only positions no request verified drift back: a verified draft that was never
