@@ -116,8 +116,9 @@ def test_metrics_snapshot_reaches_prometheus_families(tiny_target, fitted_drafte
     assert f'vllm_dspark_verified_draft_tokens_total{{policy="dspark"}} {float(stats.verified)}' in text
     assert f'vllm_dspark_pruned_draft_tokens_total{{policy="dspark"}} {float(stats.pruned)}' in text
     assert 'vllm_dspark_verification_budget_bucket{le="+Inf",policy="dspark"}' in text
-    assert stats.confidence_shifts, "live recalibration is on by default"
-    assert f'vllm_dspark_confidence_logit_shift{{policy="dspark",position="1"}} {stats.confidence_shifts[0]}' in text
+    assert list(stats.confidence_shifts) == ["greedy"], "live recalibration is on by default"
+    shift = stats.confidence_shifts["greedy"][0]
+    assert f'vllm_dspark_confidence_logit_shift{{mode="greedy",policy="dspark",position="1"}} {shift}' in text
 
 
 def test_online_recalibration_corrects_miscalibrated_drafts(tiny_target, fitted_drafter, baseline):
@@ -140,8 +141,23 @@ def test_online_recalibration_corrects_miscalibrated_drafts(tiny_target, fitted_
     assert abs(errors[False]) > 0.1, "the fixture drafter should be miscalibrated"
     assert abs(errors[True]) < abs(errors[False]) / 2
     # Under-confident drafts get a positive shift, over-confident ones a negative one.
-    assert np.sign(shifts[True][0]) == -np.sign(errors[False])
+    assert np.sign(shifts[True]["greedy"][0]) == -np.sign(errors[False])
     assert not shifts[False]
+
+
+def test_greedy_and_sampled_requests_are_recalibrated_apart(tiny_target, fitted_drafter):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": {"policy": "fixed"}})
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True, detokenize=False)
+    params = [greedy if i % 2 == 0 else sampled for i in range(len(PROMPTS))]
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    scheduler = engine_scheduler(llm)
+    assert set(scheduler.dspark_stats.confidence_shifts) == {"greedy", "sampled"}
+    judged = {mode: int(r.judged.sum()) for mode, r in scheduler.recalibrators.items()}
+    assert judged["greedy"] > 0 and judged["sampled"] > 0
 
 
 def test_sampling_with_draft_probabilities_runs(tiny_target, fitted_drafter):

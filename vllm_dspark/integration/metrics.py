@@ -42,9 +42,10 @@ class DSparkStats:
     missing_confidences: int = 0
     invalid_confidences: int = 0
     step_overhead_ms: float = 0.0  # learned per-step time beyond the SPS profile (drafting)
-    # Live recalibration per position: c' = sigmoid(slope * logit(c) + shift).
-    confidence_slopes: list[float] = field(default_factory=list)
-    confidence_shifts: list[float] = field(default_factory=list)
+    # Live recalibration per sampling mode ("greedy", "sampled") and block position:
+    # c' = sigmoid(slope * logit(c) + shift).
+    confidence_slopes: dict[str, list[float]] = field(default_factory=dict)
+    confidence_shifts: dict[str, list[float]] = field(default_factory=dict)
     # verified_length_counts[l] = number of (request, step) pairs that verified l drafts
     verified_length_counts: list[int] = field(default_factory=list)
 
@@ -78,11 +79,10 @@ class DSparkStats:
             f"{self.calibration_error:+.3f} per verified draft), mean verification budget "
             f"{self.verified / max(1, self.verified_requests):.2f} tokens/request, step overhead "
             f"beyond the SPS profile {self.step_overhead_ms:.1f} ms"
-            + (
-                f", confidence recalibration slopes {[round(x, 2) for x in self.confidence_slopes]} "
-                f"shifts {[round(x, 2) for x in self.confidence_shifts]}"
-                if self.confidence_shifts
-                else ""
+            + "".join(
+                f", {mode} confidence recalibration: slopes {[round(x, 2) for x in self.confidence_slopes[mode]]} "
+                f"shifts {[round(x, 2) for x in shifts]}"
+                for mode, shifts in self.confidence_shifts.items()
             )
         )
 
@@ -133,13 +133,14 @@ def metric_families(stats: DSparkStats) -> list:
     )
     overhead.add_metric(values, stats.step_overhead_ms / 1000.0)
     families.append(overhead)
-    for name, doc, series in [
-        ("confidence_logit_slope", "Live recalibration: slope on the confidence logit, per block position", stats.confidence_slopes),
-        ("confidence_logit_shift", "Live recalibration: shift added to the confidence logit, per block position", stats.confidence_shifts),
+    for name, doc, by_mode in [
+        ("confidence_logit_slope", "Live recalibration: slope on the confidence logit, per sampling mode and block position", stats.confidence_slopes),
+        ("confidence_logit_shift", "Live recalibration: shift added to the confidence logit, per sampling mode and block position", stats.confidence_shifts),
     ]:
-        family = GaugeMetricFamily(f"vllm_dspark_{name}", doc, labels=[*labels, "position"])
-        for position, value in enumerate(series, start=1):
-            family.add_metric([*values, str(position)], value)
+        family = GaugeMetricFamily(f"vllm_dspark_{name}", doc, labels=[*labels, "mode", "position"])
+        for mode, series in by_mode.items():
+            for position, value in enumerate(series, start=1):
+                family.add_metric([*values, mode, str(position)], value)
         families.append(family)
     cumulative = np.cumsum(stats.verified_length_counts).tolist() if stats.verified_length_counts else []
     buckets = [(str(length), count) for length, count in enumerate(cumulative)] + [("+Inf", stats.verified_requests)]

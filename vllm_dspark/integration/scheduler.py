@@ -18,6 +18,7 @@ import torch
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.sampling_params import SamplingType
 from vllm.v1.request import Request
 
 from vllm_dspark.config import AUTO_PROFILE, PluginOptions
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 _SNAPSHOT_INTERVAL_S = 1.0
 # Per-request SLA floor a client can ask for: SamplingParams(extra_args={...}).
 MIN_TOKENS_PER_S_ARG = "dspark_min_tokens_per_s"
+# Live recalibration learns greedy and sampled requests apart: a greedy request accepts a
+# draft only if it is the target's argmax, a sampled one with probability min(1, p/q).
+RECALIBRATION_MODES = ("greedy", "sampled")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class PendingVerification:
 
     req_ids: tuple[str, ...]
     raw_confidences: np.ndarray  # [R, K] as the drafter sent them (after the NaN fallback)
+    modes: np.ndarray  # [R] sampling mode of each request (RECALIBRATION_MODES)
     verified: np.ndarray  # [R]
     predicted: np.ndarray  # [R] expected accepted drafts (sum of calibrated survival)
 
@@ -74,10 +79,10 @@ class DSparkScheduler(Scheduler):
         self.dspark_stats = DSparkStats(policy=str(self.dspark_options.policy))
         self.recent_decisions: deque[VerifyDecision] = deque(maxlen=4096)
         self._confidences: dict[str, np.ndarray] = {}
-        self.recalibrator = (
-            OnlineRecalibrator(learning_rate=self.dspark_options.recalibration_rate)
+        self.recalibrators = (
+            {mode: OnlineRecalibrator(learning_rate=self.dspark_options.recalibration_rate) for mode in RECALIBRATION_MODES}
             if self.dspark_options.recalibrate
-            else None
+            else {}
         )
         # One entry per scheduled step, oldest first (several are in flight under PP).
         self._pending: deque[PendingVerification | None] = deque(maxlen=16)
@@ -158,7 +163,12 @@ class DSparkScheduler(Scheduler):
             return None
         proposed = np.array([len(r.spec_token_ids) for r in drafting], dtype=np.int64)
         raw_confidences = self._confidence_matrix(drafting, int(proposed.max()))
-        confidences = raw_confidences if self.recalibrator is None else self.recalibrator.apply(raw_confidences)
+        modes = np.array([_recalibration_mode(r) for r in drafting])
+        confidences = raw_confidences.copy()
+        for mode, recalibrator in self.recalibrators.items():
+            rows = modes == mode
+            if rows.any():
+                confidences[rows] = recalibrator.apply(raw_confidences[rows])
         options: dict[str, object] = {}
         policy = self.dspark_options.policy
         if policy == "fixed" and self.dspark_options.k is not None:
@@ -194,7 +204,7 @@ class DSparkScheduler(Scheduler):
         req_ids = tuple(r.request_id for r in drafting)
         self.dspark_stats.record_decision(proposed, verified)
         self.recent_decisions.append(VerifyDecision(req_ids, proposed, verified, confidences, base_tokens))
-        return PendingVerification(req_ids, raw_confidences, verified, predicted)
+        return PendingVerification(req_ids, raw_confidences, modes, verified, predicted)
 
     def _confidence_matrix(self, drafting: list[Request], width: int) -> np.ndarray:
         """[R, K] confidences; a request without them gets zeros (verify nothing), and
@@ -270,10 +280,12 @@ class DSparkScheduler(Scheduler):
             accepted[row] = min(verified[row], max(0, len(sampled[out]) - 1))
         self.dspark_stats.accepted += int(accepted.sum())
         self.dspark_stats.predicted_accepted += float(pending.predicted[verified > 0].sum())
-        if self.recalibrator is not None:
-            self.recalibrator.observe(pending.raw_confidences, verified, accepted)
-            self.dspark_stats.confidence_slopes = self.recalibrator.slopes.round(4).tolist()
-            self.dspark_stats.confidence_shifts = self.recalibrator.shifts.round(4).tolist()
+        for mode, recalibrator in self.recalibrators.items():
+            rows = pending.modes == mode
+            if rows.any():
+                recalibrator.observe(pending.raw_confidences[rows], verified[rows], accepted[rows])
+                self.dspark_stats.confidence_slopes[mode] = recalibrator.slopes.round(4).tolist()
+                self.dspark_stats.confidence_shifts[mode] = recalibrator.shifts.round(4).tolist()
 
     def _publish(self) -> None:
         """Snapshot for /metrics at most once a second, and whenever the engine goes idle
@@ -291,6 +303,11 @@ class DSparkScheduler(Scheduler):
     def _free_request(self, request: Request, *args, **kwargs):
         self._confidences.pop(request.request_id, None)
         return super()._free_request(request, *args, **kwargs)
+
+
+def _recalibration_mode(request: Request) -> str:
+    params = request.sampling_params
+    return "greedy" if params is None or params.sampling_type == SamplingType.GREEDY else "sampled"
 
 
 def admission_device() -> torch.device | None:
