@@ -43,7 +43,8 @@ def spec_decode_metrics(base: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             key = name.split("{")[0]
             if 'position="' in name:  # per-position gauges are shown one by one, not summed
-                key += "[" + name.split('position="')[1].split('"')[0] + "]"
+                label = {k: v.strip('"') for k, v in (part.split("=", 1) for part in name.split("{")[1].rstrip("}").split(","))}
+                key += f"[{label.get('mode', '')} {label['position']}]"
             totals[key] = totals.get(key, 0.0) + float(value)
     return totals
 
