@@ -262,7 +262,7 @@ def write_markdown(summary: dict, results: dict, names: list[str], datasets: lis
           + " ".join(fmt(x) for x in trend)
           for name in names for temp, trend in position_trends(results[name]).items()),
         f"- Evaluation time: {seconds / 60:.0f} min over {sum(len(c) for t in results.values() for c in t.values())} "
-        "cells (one torch thread on a shared CPU).",
+        "cells (shared CPU; torch threads as in the command above).",
         "",
         "## Reference",
         "",
