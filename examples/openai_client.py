@@ -44,7 +44,7 @@ def spec_decode_metrics(base: str) -> dict[str, float]:
             key = name.split("{")[0]
             if 'position="' in name:  # per-position gauges are shown one by one, not summed
                 label = {k: v.strip('"') for k, v in (part.split("=", 1) for part in name.split("{")[1].rstrip("}").split(","))}
-                key += f"[{label.get('mode', '')} {label['position']}]"
+                key += "[" + " ".join(label[k] for k in ("mode", "position") if k in label) + "]"
             totals[key] = totals.get(key, 0.0) + float(value)
     return totals
 
