@@ -274,14 +274,14 @@ def summarise(results: dict, block: int) -> list[str]:
     return lines
 
 
-def recalibration_study(trace: Trace, curves: dict[str, tuple[SpsCurve, float]]) -> dict:
-    """dspark throughput per curve and R: calibrated trace, then each distortion without
-    and with online recalibration."""
+def recalibration_study(trace: Trace, curves: dict[str, tuple[SpsCurve, float]], results: dict) -> dict:
+    """dspark throughput per curve and R: calibrated trace (the main run's), then each
+    distortion without and with online recalibration."""
     study: dict[str, dict[str, dict[str, float]]] = {}
     for curve_name, (sps, floor) in curves.items():
         study[curve_name] = {}
         for slots in CONCURRENCY:
-            row = {"calibrated": simulate(trace, sps, slots, "dspark", {}, floor)["throughput"]}
+            row = {"calibrated": results[curve_name][str(slots)]["dspark"]["throughput"]}
             for name, (slope, shift) in MISCALIBRATIONS.items():
                 distorted = distort(trace, slope, shift)
                 row[name] = simulate(distorted, sps, slots, "dspark", {}, floor)["throughput"]
@@ -383,7 +383,7 @@ def main() -> None:
             results[curve_name][str(slots)] = row
             print(f"{curve_name} R={slots}: " + ", ".join(
                 f"{n}={v['throughput']:.0f}" for n, v in row.items()), flush=True)
-    study = recalibration_study(trace, curves)
+    study = recalibration_study(trace, curves, results)
     meta = {
         "trace": str(args.trace) if args.trace else f"synthetic(requests={args.requests}, seed={args.seed})",
         "rounds": int(len(trace.accepted)),

@@ -284,14 +284,18 @@ class DSparkScheduler(Scheduler):
             rows = pending.modes == mode
             if rows.any():
                 recalibrator.observe(pending.raw_confidences[rows], verified[rows], accepted[rows])
-                self.dspark_stats.confidence_slopes[mode] = recalibrator.slopes.round(4).tolist()
-                self.dspark_stats.confidence_shifts[mode] = recalibrator.shifts.round(4).tolist()
 
     def _publish(self) -> None:
         """Snapshot for /metrics at most once a second, and whenever the engine goes idle
         (so a scrape after the last request sees final numbers); a summary log line."""
         now = time.monotonic()
         due = now - self._last_snapshot >= _SNAPSHOT_INTERVAL_S or not self.running
+        if due or now - self._last_log >= self.dspark_options.log_interval_s:
+            # Copied here, not every step: only the snapshot and the log line read them.
+            for mode, recalibrator in self.recalibrators.items():
+                if recalibrator.judged.any():
+                    self.dspark_stats.confidence_slopes[mode] = recalibrator.slopes.round(4).tolist()
+                    self.dspark_stats.confidence_shifts[mode] = recalibrator.shifts.round(4).tolist()
         if self._metrics_file is not None and due:
             self._last_snapshot = now
             self.dspark_stats.write(self._metrics_file)
