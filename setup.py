@@ -15,6 +15,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_dspark", "vllm_dspark.*"]) + ["vllm_dspark.kernels"],
     package_dir={"vllm_dspark.kernels": "kernels"},
+    # The evaluation sets (default_eval_dir): read at run time, so they ship with the code.
+    package_data={"vllm_dspark.evaluation": ["prompts/*.jsonl", "prompts/README.md"]},
     install_requires=[
         "numpy",
         "pydantic>=2",

@@ -4,9 +4,10 @@ Figure 2, conditional acceptance by position).
 
 Every (drafter, dataset, temperature) cell runs `vllm_dspark.evaluation.evaluate` (chain
 drafting, fixed K, exact rejection sampling) on the first N prompts of
-../shared/data/eval/{gsm8k,humaneval,mt-bench}.jsonl and is stored as its own JSON file, so
-an interrupted run resumes where it stopped; a cell is redone only when its settings or the
-drafter's weights changed. Outputs under --out-dir (default benchmarks/results/):
+vllm_dspark/evaluation/prompts/{gsm8k,humaneval,mt-bench}.jsonl (`default_eval_dir()`) and
+is stored as its own JSON file, so an interrupted run resumes where it stopped; a cell is
+redone only when its settings (the dataset path included) or the drafter's weights changed.
+Outputs under --out-dir (default benchmarks/results/):
   acceptance.json, acceptance.md          tau per dataset, macro average, first/second ratio
   acceptance_by_position.png              conditional acceptance (solid) and mean c_k (dashed)
   acceptance_reliability_<drafter>.png    copy of the drafter's calibration diagram, if any
@@ -38,10 +39,10 @@ from pathlib import Path
 
 import torch
 
+from vllm_dspark.evaluation.dataset import default_eval_dir
 from vllm_dspark.evaluation.evaluator import EvalSettings, evaluate
 
 REPO = Path(__file__).resolve().parents[1]
-EVAL_DIR = REPO.parent / "shared" / "data" / "eval"
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 TEMPERATURES = (0.0, 1.0)
 DEFAULT_DRAFTERS = (
@@ -283,7 +284,8 @@ def main() -> None:
                         "default: dspark and dflash under examples/drafters/")
     parser.add_argument("--target", type=Path, default=None, help="default: the SmolLM2 checkpoint")
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS)
-    parser.add_argument("--eval-dir", type=Path, default=EVAL_DIR)
+    parser.add_argument("--eval-dir", type=Path, default=default_eval_dir(),
+                        help="default: $VLLM_DSPARK_EVAL_DIR or the sets shipped in vllm_dspark/evaluation/prompts")
     parser.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES))
     parser.add_argument("--num-prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=96)

@@ -1,5 +1,8 @@
 """Time the DSpark Triton kernels against their PyTorch references (and SDPA for attention).
 
+The sequential head's reference is the model's own loop (`heads.sequential_draft`), as
+the dispatcher runs it without the kernel.
+
 On CUDA: realistic shapes (Qwen3-8B-like attention, a 49,152-word Markov head), median
 times, achieved bandwidth / FLOP rate and the fraction of the H200's ceilings; each case
 also checks the kernel against the reference. Writes benchmarks/results/bench_kernels.{json,md}.
@@ -28,7 +31,7 @@ from typing import Callable, Optional  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from vllm_dspark.kernels import admission, sequential_head, verify_attention  # noqa: E402
+from vllm_dspark.kernels import admission, dispatch, sequential_head, verify_attention  # noqa: E402
 
 H200_COPY_BYTES_PER_S = 4.3e12
 H200_BF16_FLOP_PER_S = 790e12
@@ -173,11 +176,11 @@ def bench_sequential_head(device, dry: bool, budget_s: float) -> list:
             conf_temps=torch.ones(k, device=device), return_probs=probs,
         )
         out = sequential_head.sequential_head_triton(**args)
-        ref = sequential_head.sequential_head_reference(**args)
+        ref = dispatch.sequential_head(**args, use_kernel=False)
         err = (out.token_probs - ref.token_probs).abs().max().item()
         mismatches = int((out.tokens != ref.tokens).sum())
         t_k = measure(lambda: sequential_head.sequential_head_triton(**args), device, budget_s, 100)
-        t_r = measure(lambda: sequential_head.sequential_head_reference(**args), device, budget_s, 20)
+        t_r = measure(lambda: dispatch.sequential_head(**args, use_kernel=False), device, budget_s, 20)
         esize = torch.tensor([], dtype=dtype).element_size()
         row_tiles = math.ceil(num_req / 16)
         bytes_moved = (num_req * k * vocab * esize + row_tiles * k * vocab * rank * esize

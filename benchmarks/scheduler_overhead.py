@@ -2,10 +2,12 @@
 
 The policy runs on the engine's critical path once per step, so its cost must stay far
 below a step (tens of milliseconds on CPU, about ten on GPU). Measures the median of many
-single calls of `select_verify_lengths` (and of `dspark_budget`, which the asynchronous
-variant runs once per step as well, and of the live recalibration's apply + observe, which
-every policy adds per step when `recalibrate` is on) for R requests with K = 7 drafts
-each, cycling through a pool of different confidence arrays. Writes benchmarks/results/scheduler_overhead.{json,md}.
+single decisions of each policy object, built once as the engine builds it (and of
+`dspark_budget`, which the asynchronous variant runs once per step as well, of the live
+recalibration's apply + observe, which every policy adds per step when `recalibrate` is
+on, and of the whole controller step the engine runs: decide, step_scheduled, observe,
+with recalibration) for R requests with K = 7 drafts each, cycling through a pool of
+different confidence arrays. Writes benchmarks/results/scheduler_overhead.{json,md}.
 
 Usage: python benchmarks/scheduler_overhead.py [--calls N] [--out-dir DIR]
 """
@@ -22,7 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_dspark.scheduling import SpsCurve, dspark_budget, select_verify_lengths
+from vllm_dspark.config import PluginOptions
+from vllm_dspark.scheduling import SpsCurve, dspark_budget
+from vllm_dspark.scheduling.controller import StepInputs, VerificationController
+from vllm_dspark.scheduling.policies import PolicyStep, build_policy, decide_lengths
 from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
 
 REQUESTS = (1, 4, 16, 64, 256, 1024)
@@ -58,15 +63,27 @@ def cases(pool: list[np.ndarray]) -> dict[str, Callable[[np.ndarray], object]]:
         recalibrator.apply(c)
         recalibrator.observe(c, verified, accepted)
 
-    return {
-        "fixed": lambda c: select_verify_lengths(c, CURVE, "fixed"),
-        "threshold": lambda c: select_verify_lengths(c, CURVE, "threshold", threshold=0.5),
-        "dspark": lambda c: select_verify_lengths(c, CURVE, "dspark"),
-        "dspark_async": lambda c: select_verify_lengths(c, CURVE, "dspark_async", budget=budget),
-        "dspark_budget": lambda c: dspark_budget(c, CURVE),
-        "sla": lambda c: select_verify_lengths(c, CURVE, "sla", min_tokens_per_s=5.0),
-        "recalibrate": recalibrate,
+    options = PluginOptions(policy="dspark", sps_table=CURVE.points, measure_step_overhead=False)
+    controller = VerificationController(options, CURVE)
+    req_ids = tuple(map(str, range(num_requests)))
+    proposed = np.full(num_requests, BLOCK)
+    greedy = np.zeros(num_requests, dtype=bool)
+
+    def controller_step(c: np.ndarray) -> None:
+        lengths = controller.decide(StepInputs(req_ids, c, proposed, greedy)).verified
+        controller.step_scheduled(0.0, 0)
+        controller.observe(np.minimum(accepted, lengths) + 1)
+
+    policies = {
+        "fixed": build_policy("fixed"),
+        "threshold": build_policy("threshold", threshold=0.5),
+        "dspark": build_policy("dspark"),
+        "dspark_async": build_policy("dspark_async", budget=budget),
+        "sla": build_policy("sla", min_tokens_per_s=5.0),
     }
+    cases = {name: (lambda c, p=policy: decide_lengths(p, PolicyStep(c, CURVE))) for name, policy in policies.items()}
+    return cases | {"dspark_budget": lambda c: dspark_budget(c, CURVE), "recalibrate": recalibrate,
+                    "controller_step": controller_step}
 
 
 def main() -> None:

@@ -22,8 +22,9 @@ import statistics
 import time
 from pathlib import Path
 
+from vllm_dspark.evaluation.dataset import default_eval_dir
+
 REPO = Path(__file__).resolve().parents[1]
-EVAL_DIR = REPO.parent / "shared" / "data" / "eval"
 RESULTS = REPO / "benchmarks" / "results"
 # SmolLM2 steps/s on these CPUs (ENVIRONMENT.md step table); --sps-profile overrides it.
 DEFAULT_SPS = [[1, 11.9], [2, 11.0], [4, 10.4], [8, 8.9], [16, 6.8], [32, 5.5], [64, 3.2], [128, 2.1]]
@@ -33,7 +34,7 @@ def eval_prompts(count: int) -> list[list[dict]]:
     """First user turns, round-robin over the three eval domains."""
     per_file = []
     for name in ("gsm8k.jsonl", "humaneval.jsonl", "mt-bench.jsonl"):
-        lines = (EVAL_DIR / name).read_text().splitlines()
+        lines = (default_eval_dir() / name).read_text().splitlines()
         per_file.append([json.loads(line)["turns"][0] for line in lines[:count]])
     mixed = [turns[i] for i in range(count) for turns in per_file]
     return [[{"role": "user", "content": text}] for text in mixed[:count]]
@@ -167,7 +168,7 @@ def main() -> int:
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm_dspark.engine_profile import hardware_name
+    from vllm_dspark.scheduling.profiles import hardware_name
     from vllm_dspark.scheduling import SpsCurve
     from vllm_dspark.targets.smollm2 import smollm2_checkpoint
 

@@ -18,10 +18,15 @@ synthetic trace is generated (see `synthetic_trace` for its assumptions).
 Curves: the measured SmolLM2-135M CPU curve of ENVIRONMENT.md (step time extrapolated
 linearly beyond B = 128) and a stylised GPU-like curve (see `gpu_like_curve`).
 
+Every step runs through the engine's own `VerificationController` (policy objects, the
+dspark_async budget chain, live recalibration): the simulator differs from the engine only
+in where the step's inputs come from. Decode-only passes (no prefill tokens in B), all
+requests sampled (one recalibrator), steps exactly as long as the curve says (no learned
+step overhead).
+
 Live recalibration study: the trace's confidences are distorted the ways a drafter can be
 off in serving (biased or too sharp, see `MISCALIBRATIONS`), and `dspark` replays them
-with and without the scheduler's online recalibration (`OnlineRecalibrator`, fed each
-step's verified and accepted drafts, as in the engine).
+with and without the controller's online recalibration.
 
 Outputs under benchmarks/results/: simulate_scheduling.json, .md and .png (Pareto plot of
 system tokens/s against per-user tokens/s, one point per concurrency).
@@ -35,23 +40,23 @@ import argparse
 import json
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from vllm_dspark.scheduling import SpsCurve, dspark_budget, select_verify_lengths
-from vllm_dspark.scheduling.recalibration import OnlineRecalibrator, logit, sigmoid
+from vllm_dspark.config import PluginOptions
+from vllm_dspark.scheduling import SpsCurve
+from vllm_dspark.scheduling.controller import StepInputs, VerificationController
+from vllm_dspark.scheduling.recalibration import logit, sigmoid
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CPU_STEP_MS = {1: 84, 2: 91, 4: 96, 8: 112, 16: 146, 32: 183, 64: 308, 128: 473}
 ROUNDS_PER_POINT = 8000  # draft rounds simulated per (curve, concurrency, policy)
 MIN_STEPS = 60
-ASYNC_DELAY = 2
 # Distinct markers and dashes: several policies coincide on some curves.
 STYLES = {"threshold": ("s", ":"), "dspark": ("o", "-"), "dspark_async": ("^", "--"),
-          "sla": ("x", "-."), "sla_tracked": ("+", ":")}  # dspark_async plans its budget on confidences this many steps old
+          "sla": ("x", "-."), "sla_tracked": ("+", ":")}
 # Distortions of a calibrated trace for the recalibration study: (slope, shift) on the
 # confidence logit. The committed SmolLM2 drafter was over-confident in serving.
 MISCALIBRATIONS = {"over-confident": (1.0, 1.5), "under-confident": (1.0, -1.5), "too sharp": (2.0, 0.0)}
@@ -164,19 +169,19 @@ def gpu_like_curve(max_tokens: int = 4096) -> SpsCurve:
     )
 
 
-def policies(block: int, threshold: float, floor: float) -> dict[str, tuple[str, dict]]:
-    """Name -> (policy, options); dspark_async's budget is filled in per step.
+def policies(block: int, threshold: float, floor: float) -> dict[str, dict]:
+    """Name -> plugin options (as an operator would pass them).
 
     `sla` applies the floor to every request at every step. `sla_tracked` applies it only
     to requests whose realised speed so far is below it (floor 0 for the others), the way a
     serving integration can use per-request floors to target long-run per-user speed.
     """
-    table = {f"fixed_k{k}": ("fixed", {"k": k}) for k in range(block + 1)}
-    table["threshold"] = ("threshold", {"threshold": threshold})
-    table["dspark"] = ("dspark", {})
-    table["dspark_async"] = ("dspark_async", {})
-    table["sla"] = ("sla", {"min_tokens_per_s": floor})
-    table["sla_tracked"] = ("sla", {"min_tokens_per_s": floor, "tracked": True})
+    table: dict[str, dict] = {f"fixed_k{k}": {"policy": "fixed", "k": k} for k in range(block + 1)}
+    table["threshold"] = {"policy": "threshold", "threshold": threshold}
+    table["dspark"] = {"policy": "dspark"}
+    table["dspark_async"] = {"policy": "dspark_async"}
+    table["sla"] = {"policy": "sla", "min_tokens_per_s": floor}
+    table["sla_tracked"] = {"policy": "sla", "min_tokens_per_s": floor, "tracked": True}
     return table
 
 
@@ -184,41 +189,37 @@ def simulate(
     trace: Trace,
     sps: SpsCurve,
     slots: int,
-    policy: str,
     options: dict,
     floor: float,
-    recalibrator: OnlineRecalibrator | None = None,
+    recalibrate: bool = False,
 ) -> dict:
-    """Closed-loop replay at fixed concurrency; throughput, per-user speeds, share of users
-    (slots) whose realised speed reaches `floor`. With a recalibrator the policy sees
-    recalibrated confidences, and each step's outcome is fed back to it."""
+    """Closed-loop replay at fixed concurrency through the engine's controller; throughput,
+    per-user speeds, share of users (slots) whose realised speed reaches `floor`. With
+    `recalibrate` the controller recalibrates confidences online from each step's outcome."""
+    options = dict(options)
+    tracked = options.pop("tracked", False)
+    plugin = PluginOptions(**options, sps_table=sps.points, recalibrate=recalibrate, measure_step_overhead=False)
+    controller = VerificationController(plugin, sps, can_time_steps=False)
     steps = max(MIN_STEPS, math.ceil(ROUNDS_PER_POINT / slots))
     groups = len(trace.starts)
     group = np.arange(slots) % groups
     offset = np.zeros(slots, dtype=np.int64)
     next_group = slots
-    history: deque[np.ndarray] = deque(maxlen=ASYNC_DELAY)
+    req_ids = tuple(map(str, range(slots)))
+    proposed = np.full(slots, trace.block)
+    sampled = np.zeros(slots, dtype=bool)
     tokens = np.zeros(slots)
     verified = elapsed = 0.0
     for _ in range(steps):
         rounds = trace.starts[group] + offset
-        raw = trace.confidences[rounds]
-        confidences = raw if recalibrator is None else recalibrator.apply(raw)
-        if options.get("tracked"):
-            behind = tokens < options["min_tokens_per_s"] * elapsed
-            floors = np.where(behind, options["min_tokens_per_s"], 0.0)
-            lengths = select_verify_lengths(confidences, sps, policy, min_tokens_per_s=floors)
-        elif policy != "dspark_async":
-            lengths = select_verify_lengths(confidences, sps, policy, **options)
-        elif len(history) < ASYNC_DELAY:  # no old enough plan yet: plan synchronously
-            lengths = select_verify_lengths(confidences, sps, "dspark")
-        else:
-            budget = dspark_budget(history[0], sps)
-            lengths = select_verify_lengths(confidences, sps, policy, budget=budget)
-        history.append(confidences)
+        floors = None
+        if tracked:
+            floors = np.where(tokens < plugin.min_tokens_per_s * elapsed, plugin.min_tokens_per_s, 0.0)
+        inputs = StepInputs(req_ids, trace.confidences[rounds], proposed, sampled, min_tokens_per_s=floors)
+        lengths = controller.decide(inputs).verified
+        controller.step_scheduled(elapsed, 0)
         accepted = np.minimum(trace.accepted[rounds], lengths)
-        if recalibrator is not None:
-            recalibrator.observe(raw, lengths, accepted)
+        controller.observe(accepted + 1)
         tokens += accepted + 1
         verified += lengths.sum()
         elapsed += float(sps.step_time(slots + int(lengths.sum())))
@@ -284,9 +285,9 @@ def recalibration_study(trace: Trace, curves: dict[str, tuple[SpsCurve, float]],
             row = {"calibrated": results[curve_name][str(slots)]["dspark"]["throughput"]}
             for name, (slope, shift) in MISCALIBRATIONS.items():
                 distorted = distort(trace, slope, shift)
-                row[name] = simulate(distorted, sps, slots, "dspark", {}, floor)["throughput"]
+                row[name] = simulate(distorted, sps, slots, {"policy": "dspark"}, floor)["throughput"]
                 row[f"{name}, recalibrated"] = simulate(
-                    distorted, sps, slots, "dspark", {}, floor, OnlineRecalibrator()
+                    distorted, sps, slots, {"policy": "dspark"}, floor, recalibrate=True
                 )["throughput"]
             study[curve_name][str(slots)] = row
     return study
@@ -376,10 +377,7 @@ def main() -> None:
         table = policies(trace.block, args.threshold, floor)
         results[curve_name] = {}
         for slots in CONCURRENCY:
-            row = {
-                name: simulate(trace, sps, slots, policy, opts, floor)
-                for name, (policy, opts) in table.items()
-            }
+            row = {name: simulate(trace, sps, slots, opts, floor) for name, opts in table.items()}
             results[curve_name][str(slots)] = row
             print(f"{curve_name} R={slots}: " + ", ".join(
                 f"{n}={v['throughput']:.0f}" for n, v in row.items()), flush=True)
@@ -393,7 +391,6 @@ def main() -> None:
         "survival_calibration_error": calibration_error(trace),
         "threshold": args.threshold,
         "sla_floor_tokens_per_s": {name: floor for name, (_, floor) in curves.items()},
-        "async_delay_steps": ASYNC_DELAY,
         "rounds_per_point": ROUNDS_PER_POINT,
         "curves": {name: sps.metadata for name, (sps, _) in curves.items()},
         "runtime_s": round(time.perf_counter() - start, 1),
@@ -407,8 +404,8 @@ def main() -> None:
         f"Trace: {meta['trace']}, {meta['rounds']} rounds, K = {trace.block}, mean accepted length "
         f"at full K {meta['mean_accepted_length_full_block']:.2f}, survival ECE "
         f"{meta['survival_calibration_error']:.3f}. sla floors: CPU {args.cpu_floor} tok/s, "
-        f"GPU-like {args.gpu_floor} tok/s; threshold {args.threshold}; dspark_async budget from "
-        f"confidences {ASYNC_DELAY} steps old. Runtime {meta['runtime_s']} s.", "",
+        f"GPU-like {args.gpu_floor} tok/s; threshold {args.threshold}; dspark_async budget planned "
+        f"on the previous step's confidences (as in the engine). Runtime {meta['runtime_s']} s.", "",
     ]
     (args.out_dir / "simulate_scheduling.md").write_text(
         "\n".join(header + summarise(results, trace.block) + recalibration_tables(study)

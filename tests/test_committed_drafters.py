@@ -37,4 +37,4 @@ def test_committed_drafter_serves_losslessly(name, smollm2_target):
     llm, speculative = run(spec, {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}})
     assert speculative == plain
     assert spec_counters(llm)["num_accepted_tokens"] > 0
-    assert engine_scheduler(llm).dspark_stats.accepted > 0
+    assert engine_scheduler(llm).controller.stats.accepted > 0

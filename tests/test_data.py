@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from vllm_dspark.evaluation.dataset import EVAL_DIR_ENV, default_eval_dir, load_prompts
 from vllm_dspark.training import data
 
 REPO = Path(__file__).resolve().parents[1]
-EVAL_DIR = data.default_eval_dir()
+EVAL_DIR = default_eval_dir()
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,16 @@ def test_mix_is_deterministic_and_extends(mix: list[data.PromptItem]) -> None:
     assert {p.text for p in other_seed} != {p.text for p in smaller}
 
 
-@pytest.mark.skipif(not EVAL_DIR.is_dir(), reason="no evaluation prompts on this machine")
+def test_eval_prompts_ship_with_the_package(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(EVAL_DIR_ENV, raising=False)
+    shipped = default_eval_dir()
+    assert shipped == REPO / "vllm_dspark" / "evaluation" / "prompts"
+    sizes = {name: len(load_prompts(shipped / f"{name}.jsonl")) for name in ("gsm8k", "humaneval", "mt-bench")}
+    assert sizes == {"gsm8k": 1319, "humaneval": 164, "mt-bench": 80}
+    monkeypatch.setenv(EVAL_DIR_ENV, str(tmp_path))
+    assert default_eval_dir() == tmp_path
+
+
 def test_no_eval_prompt_in_training_mix(mix: list[data.PromptItem]) -> None:
     eval_prompts = [" ".join(p.lower().split()) for p in data.read_eval_prompts(EVAL_DIR)]
     assert len(eval_prompts) > 1000

@@ -13,6 +13,7 @@ from tests.tiny_models import (
     generate_ids,
     make_drafter,
     make_llm,
+    record_decisions,
     spec_counters,
 )
 
@@ -52,12 +53,12 @@ def spec_config(drafter: Path, k: int = K) -> dict:
 )
 def test_greedy_outputs_identical(tiny_target, fitted_drafter, baseline, plugin_options):
     llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": plugin_options})
+    decisions = record_decisions(llm)
     assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
     counters = spec_counters(llm)
     assert counters["num_drafts"] > 0
     assert counters["num_accepted_tokens"] > 0, "the fitted drafter should get some drafts accepted"
-    scheduler = engine_scheduler(llm)
-    verified = [int(v) for d in scheduler.recent_decisions for v in d.verified]
+    verified = [int(v) for d in decisions for v in d.verified]
     if plugin_options.get("k") is not None:
         assert max(verified) <= plugin_options["k"]
 
@@ -65,9 +66,9 @@ def test_greedy_outputs_identical(tiny_target, fitted_drafter, baseline, plugin_
 def test_per_request_lengths_and_counters(tiny_target, fitted_drafter, baseline):
     options = {"vllm_dspark": {"policy": "dspark", **AS_GIVEN}}
     llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
+    decisions = record_decisions(llm)
     assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
     scheduler = engine_scheduler(llm)
-    decisions = list(scheduler.recent_decisions)
     assert decisions
     # Within one step, requests with different confidences verify different lengths.
     assert any(len(set(d.verified.tolist())) > 1 for d in decisions if len(d.verified) > 1)
@@ -80,7 +81,7 @@ def test_per_request_lengths_and_counters(tiny_target, fitted_drafter, baseline)
         if kept and dropped:
             assert min(kept) >= max(dropped) - 1e-9
     counters = spec_counters(llm)
-    stats = scheduler.dspark_stats
+    stats = scheduler.controller.stats
     assert stats.verified < stats.proposed, "the policy should prune some drafts here"
     # vLLM's own counter sees the verified drafts, not the proposed ones.
     assert counters["num_draft_tokens"] == stats.verified
@@ -90,35 +91,44 @@ def test_per_request_lengths_and_counters(tiny_target, fitted_drafter, baseline)
     assert sum(stats.verified_length_counts) == stats.verified_requests
 
 
-def test_metrics_snapshot_reaches_prometheus_families(tiny_target, fitted_drafter, tmp_path):
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from vllm_dspark.integration.metrics import METRICS_FILE_KEY, DSparkMetricsLogger, DSparkStats
-
-    metrics_file = str(tmp_path / "snapshot.json")
-    options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}, METRICS_FILE_KEY: metrics_file}
-    llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
-    generate_ids(llm, PROMPTS, MAX_TOKENS)
-    scheduler = engine_scheduler(llm)
-    scheduler.dspark_stats.write(metrics_file)  # the engine writes it at most once a second
-    assert DSparkStats.read(metrics_file) == scheduler.dspark_stats
-
-    class Config:
-        additional_config = {METRICS_FILE_KEY: metrics_file}
-
-    registry = CollectorRegistry()
+def test_stats_travel_with_vllm_scheduler_stats_to_prometheus(tiny_target, fitted_drafter):
+    """The plugin's counters ride in vLLM's SchedulerStats message (msgpack between the
+    engine core and the API server), and the stat logger publishes them per engine."""
     from unittest import mock
 
-    with mock.patch("vllm.v1.metrics.prometheus.get_prometheus_registry", return_value=registry):
-        DSparkMetricsLogger(Config())
-    text = generate_latest(registry).decode()
-    stats = scheduler.dspark_stats
-    assert f'vllm_dspark_verified_draft_tokens_total{{policy="dspark"}} {float(stats.verified)}' in text
-    assert f'vllm_dspark_pruned_draft_tokens_total{{policy="dspark"}} {float(stats.pruned)}' in text
-    assert 'vllm_dspark_verification_budget_bucket{le="+Inf",policy="dspark"}' in text
+    from prometheus_client import CollectorRegistry, generate_latest
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from vllm_dspark.integration import metrics
+
+    options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}}
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), options, disable_log_stats=False)
+    generate_ids(llm, PROMPTS, MAX_TOKENS)
+    scheduler = engine_scheduler(llm)
+    stats = scheduler.controller.stats
+    message = scheduler.make_stats()  # the engine is idle: the snapshot is attached
+    wire = MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=message))
+    received = MsgpackDecoder(EngineCoreOutputs).decode(wire).scheduler_stats
+    assert metrics.DSparkStats.from_dict(received.vllm_dspark) == stats
+
+    registry = CollectorRegistry()
+    with mock.patch.object(metrics, "_collector", None), mock.patch(
+        "vllm.v1.metrics.prometheus.get_prometheus_registry", return_value=registry
+    ):
+        loggers = [metrics.DSparkMetricsLogger(None, engine_index=i) for i in (0, 1)]
+        loggers[0].record(received, None, engine_idx=0)
+        other = metrics.DSparkStats(policy="dspark", verified=3)
+        metrics.attach_stats(received, other)
+        loggers[1].record(received, None, engine_idx=1)
+        text = generate_latest(registry).decode()
+    assert f'vllm_dspark_verified_draft_tokens_total{{engine="0",policy="dspark"}} {float(stats.verified)}' in text
+    assert 'vllm_dspark_verified_draft_tokens_total{engine="1",policy="dspark"} 3.0' in text, "engines apart"
+    assert f'vllm_dspark_pruned_draft_tokens_total{{engine="0",policy="dspark"}} {float(stats.pruned)}' in text
+    assert 'vllm_dspark_verification_budget_bucket{engine="0",le="+Inf",policy="dspark"}' in text
     assert list(stats.confidence_shifts) == ["greedy"], "live recalibration is on by default"
     shift = stats.confidence_shifts["greedy"][0]
-    assert f'vllm_dspark_confidence_logit_shift{{mode="greedy",policy="dspark",position="1"}} {shift}' in text
+    assert f'vllm_dspark_confidence_logit_shift{{engine="0",mode="greedy",policy="dspark",position="1"}} {shift}' in text
 
 
 def test_online_recalibration_corrects_miscalibrated_drafts(tiny_target, fitted_drafter, baseline):
@@ -130,7 +140,7 @@ def test_online_recalibration_corrects_miscalibrated_drafts(tiny_target, fitted_
     for recalibrate in (False, True):
         options = {"vllm_dspark": {"policy": "fixed", "recalibrate": recalibrate, "recalibration_rate": 0.6}}
         llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
-        stats = engine_scheduler(llm).dspark_stats
+        stats = engine_scheduler(llm).controller.stats
         assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline  # warm-up round
         before = (stats.verified, stats.accepted, stats.predicted_accepted)
         assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
@@ -155,8 +165,8 @@ def test_greedy_and_sampled_requests_are_recalibrated_apart(tiny_target, fitted_
     params = [greedy if i % 2 == 0 else sampled for i in range(len(PROMPTS))]
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     scheduler = engine_scheduler(llm)
-    assert set(scheduler.dspark_stats.confidence_shifts) == {"greedy", "sampled"}
-    judged = {mode: int(r.judged.sum()) for mode, r in scheduler.recalibrators.items()}
+    assert set(scheduler.controller.stats.confidence_shifts) == {"greedy", "sampled"}
+    judged = {mode: int(r.judged.sum()) for mode, r in scheduler.controller.recalibrators.items()}
     assert judged["greedy"] > 0 and judged["sampled"] > 0
 
 
@@ -212,6 +222,7 @@ def test_sla_priority_from_request_extra_args(tiny_target, baseline, tmp_path):
 
     def mean_verified_per_prompt(floors: dict[int, float]) -> list[float]:
         llm = make_llm(tiny_target, spec_config(drafter), options)
+        decisions = record_decisions(llm)
         params = [
             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False,
                            extra_args={"dspark_min_tokens_per_s": floors[i]} if i in floors else None)
@@ -219,7 +230,7 @@ def test_sla_priority_from_request_extra_args(tiny_target, baseline, tmp_path):
         ]
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
         per_prompt: dict[int, list[int]] = {}
-        for decision in engine_scheduler(llm).recent_decisions:
+        for decision in decisions:
             for req_id, verified in zip(decision.req_ids, decision.verified):
                 per_prompt.setdefault(int(req_id.split("-")[0]) % len(PROMPTS), []).append(int(verified))
         return [float(np.mean(per_prompt[i])) for i in range(len(PROMPTS))]
@@ -244,7 +255,7 @@ def test_nan_confidences_fall_back_safely(tiny_target, fitted_drafter, baseline)
 
     runner.drafter.take_confidences = poisoned
     assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
-    stats = engine_scheduler(llm).dspark_stats
+    stats = engine_scheduler(llm).controller.stats
     assert stats.invalid_confidences > 0 and stats.verified == 0
 
 
@@ -269,11 +280,12 @@ def test_dspark_async_admission_runs_through_the_kernel_entry_point(tiny_target,
     monkeypatch.setattr(dispatch, "admission_lengths", spy)
     options = {"vllm_dspark": {"policy": "dspark_async", **AS_GIVEN}}
     llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
+    decisions = record_decisions(llm)
     assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
     assert len(calls) > 1, "every step after the first should select on the device path"
     for conf, budget, lengths in calls:
         assert lengths.tolist() == lengths_of_prefix(rank_candidates(conf), budget).tolist()
-    verified = [d.verified for d in engine_scheduler(llm).recent_decisions]
+    verified = [d.verified for d in decisions]
     assert any(0 < v.sum() < v.size * K for v in verified), "budgets should cut some blocks short"
 
 
@@ -282,8 +294,9 @@ def test_waiting_prompts_count_in_the_pass_size(tiny_target, fitted_drafter):
     the same pass as the verification tokens; the policy must see those tokens in B."""
     options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}}
     llm = make_llm(tiny_target, spec_config(fitted_drafter), options, max_num_seqs=2)
+    decisions = record_decisions(llm)
     generate_ids(llm, PROMPTS, MAX_TOKENS)
-    base = [d.base_tokens for d in engine_scheduler(llm).recent_decisions]
+    base = [d.base_tokens for d in decisions]
     waiting_prompt_lengths = {len(p) for p in PROMPTS[2:]}
     assert waiting_prompt_lengths & set(base), f"no step counted a waiting prompt: {sorted(set(base))}"
 
@@ -300,16 +313,16 @@ def test_scheduler_learns_the_step_time_the_profile_lacks(tiny_target, fitted_dr
     plugin = {"policy": "dspark", "sps_table": table, "measure_step_overhead": measure, "recalibrate": False}
     llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": plugin})
     assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
-    scheduler = engine_scheduler(llm)
+    controller = engine_scheduler(llm).controller
     if not measure:
-        assert scheduler.step_overhead.samples == 0 and scheduler.policy_curve is scheduler.sps_curve
+        assert controller.step_overhead.samples == 0 and controller.policy_curve is controller.curve
         return
-    assert scheduler.step_overhead.samples > MAX_TOKENS // 2
-    learned = scheduler.policy_curve.step_time(8) - scheduler.sps_curve.step_time(8)
-    assert scheduler.dspark_stats.step_overhead_ms == pytest.approx(1000 * learned, rel=0.06)
+    assert controller.step_overhead.samples > MAX_TOKENS // 2
+    learned = controller.policy_curve.step_time(8) - controller.curve.step_time(8)
+    assert controller.stats.step_overhead_ms == pytest.approx(1000 * learned, rel=0.06)
     if case == "profile_too_fast":
         assert learned > 0
-        assert learned == pytest.approx(scheduler.step_overhead.seconds, rel=0.06)
+        assert learned == pytest.approx(controller.step_overhead.seconds, rel=0.06)
     else:
-        assert scheduler.step_overhead.seconds < -0.5
+        assert controller.step_overhead.seconds < -0.5
         assert learned == pytest.approx(-0.5, rel=0.06), "clamped at half the fastest profiled step"

@@ -7,14 +7,9 @@ import json
 import pytest
 
 from tests.tiny_models import engine_scheduler, make_drafter, make_llm
-from vllm_dspark.engine_profile import (
-    cached_profile_path,
-    monotone_step_times,
-    plot_curve,
-    profile_engine,
-    profile_key,
-)
+from vllm_dspark.engine_profile import monotone_step_times, plot_curve, profile_engine
 from vllm_dspark.scheduling import SpsCurve
+from vllm_dspark.scheduling.profiles import cached_profile_path, profile_key
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +64,7 @@ def test_auto_profile_is_used_or_falls_back(tiny_target, tiny_curve, tmp_path, m
 
     llm = make_llm(tiny_target, spec, options)
     scheduler = engine_scheduler(llm)
-    assert scheduler.sps_curve is None and scheduler.dspark_options.policy == "fixed"
+    assert scheduler.controller.curve is None and scheduler.controller.policy.name == "fixed"
     del llm, scheduler
 
     cached = cached_profile_path(profile_key(str(tiny_target), "float32"))
@@ -77,7 +72,7 @@ def test_auto_profile_is_used_or_falls_back(tiny_target, tiny_curve, tmp_path, m
     tiny_curve.save(cached)
     llm = make_llm(tiny_target, spec, options)
     scheduler = engine_scheduler(llm)
-    assert scheduler.sps_curve == tiny_curve and scheduler.dspark_options.policy == "dspark"
+    assert scheduler.controller.curve == tiny_curve and scheduler.controller.policy.name == "dspark"
 
 
 def test_profile_at_startup_fills_the_cache(tiny_target, tmp_path, monkeypatch):
@@ -87,6 +82,6 @@ def test_profile_at_startup_fills_the_cache(tiny_target, tmp_path, monkeypatch):
     options = {"vllm_dspark": {"policy": "dspark", "sps_profile": "auto", "profile_at_startup": True}}
     llm = make_llm(tiny_target, spec, options, max_num_seqs=2)
     scheduler = engine_scheduler(llm)
-    assert scheduler.dspark_options.policy == "dspark"
-    assert [b for b, _ in scheduler.sps_curve.points] == [1, 2]
+    assert scheduler.controller.policy.name == "dspark"
+    assert [b for b, _ in scheduler.controller.curve.points] == [1, 2]
     assert cached_profile_path(profile_key(str(tiny_target), "float32")).is_file()

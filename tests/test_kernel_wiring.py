@@ -31,13 +31,19 @@ def test_fused_path_matches_pytorch_loop(tiny_target, tmp_path, monkeypatch):
     hidden = torch.randn(3, 4, 128)
     base = drafter.lm_head(hidden)
     anchors = torch.tensor([5, 77, 300])
-    fused = proposer_module.fused_sequential_draft(VllmLike, base, hidden, anchors, None)
-    loop = sequential_draft(VllmLike.markov_head, VllmLike.confidence_head, VllmLike.confidence_temperatures, base, hidden, anchors)
-    assert torch.equal(fused.tokens, loop.tokens)
-    torch.testing.assert_close(fused.confidences, loop.confidences, atol=1e-5, rtol=1e-5)
-    sampled = proposer_module.fused_sequential_draft(VllmLike, base, hidden, anchors, torch.tensor([1.0, 0.0, 0.7]))
-    assert sampled.probs is not None and sampled.probs.shape == (3, 4, 512)
-    torch.testing.assert_close(sampled.probs.sum(-1), torch.ones(3, 4))
+    heads = (VllmLike.markov_head, VllmLike.confidence_head, VllmLike.confidence_temperatures)
+    for temperature in (None, torch.tensor([1.0, 0.0, 0.7])):
+        # Both paths draw their sampler seeds from torch's default generator.
+        torch.manual_seed(0)
+        fused = proposer_module.fused_sequential_draft(VllmLike, base, hidden, anchors, temperature)
+        torch.manual_seed(0)
+        loop = sequential_draft(*heads, base, hidden, anchors, temperature)
+        assert torch.equal(fused.tokens, loop.tokens)
+        torch.testing.assert_close(fused.confidences, loop.confidences, atol=1e-5, rtol=1e-5)
+        assert (fused.probs is None) == (loop.probs is None) == (temperature is None)
+        if temperature is not None:
+            assert fused.probs.shape == (3, 4, 512)
+            torch.testing.assert_close(fused.probs, loop.probs, atol=1e-6, rtol=1e-5)
 
 
 def force_kernel_path_on_cpu(monkeypatch) -> list[int]:

@@ -1,5 +1,9 @@
 """Triton kernels against their PyTorch references, on CPU through the Triton interpreter.
 
+The sequential head's reference is the model's own `heads.sequential_draft` (reached
+through the dispatcher's reference path, which wraps the kernel's weights in the vanilla
+heads).
+
 The interpreter has to be switched on before `triton` is first imported, so this module
 imports `vllm_dspark.kernels.interpret` before anything that could pull triton in. If some
 earlier test module already imported triton, the kernel tests rerun this file in a fresh
@@ -21,7 +25,7 @@ if IN_INTERPRETER:
     interpret.load_interpreted_kernels()
 
 from vllm_dspark.kernels import admission, dispatch, sequential_head, verify_attention  # noqa: E402
-from vllm_dspark.kernels.sequential_head import DraftOutput  # noqa: E402
+from vllm_dspark.model.heads import DraftOutput, sequential_draft, vanilla_heads  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(not IN_INTERPRETER, reason="triton imported before interpreter mode")
 
@@ -206,23 +210,30 @@ HEAD_CASES = {
 }
 
 
+def _model_reference(case: dict, return_probs: bool) -> DraftOutput:
+    """The model's sequential_draft on the case's weights, in float64."""
+    wide = {n: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for n, v in case.items()}
+    return dispatch.sequential_head(**wide, return_probs=return_probs, use_kernel=False)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("name", list(HEAD_CASES))
-def test_sequential_head_matches_reference(name: str) -> None:
+def test_sequential_head_matches_model(name: str) -> None:
     num_req, k, vocab, rank, hid, dtype, conf, probs, splits = HEAD_CASES[name]
     case = _head_case(num_req, k, vocab, rank, hid, dtype, conf)
-    ref = sequential_head.sequential_head_reference(**case, return_probs=probs, compute_dtype=torch.float64)
+    ref = _model_reference(case, probs)
     out = DraftOutput(
         tokens=torch.full((num_req, k), POISON_I, dtype=torch.int64),
         token_probs=torch.full((num_req, k), POISON_F),
-        confidence=None if conf is None else torch.full((num_req, k), POISON_F),
+        confidences=torch.full((num_req, k), POISON_F),
         probs=torch.full((num_req, k, vocab), POISON_F) if probs else None,
     )
     got = sequential_head.sequential_head_triton(**case, return_probs=probs, num_splits=splits, out=out)
     assert torch.equal(got.tokens, ref.tokens)
     torch.testing.assert_close(got.token_probs, ref.token_probs, atol=1e-5, rtol=1e-4)
-    if conf is not None:
-        torch.testing.assert_close(got.confidence, ref.confidence, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got.confidences, ref.confidences, atol=1e-5, rtol=1e-4)
+    greedy = case["temperature"] == 0
+    assert torch.equal(got.token_probs[greedy], torch.ones(int(greedy.sum()), k))
     if probs:
         torch.testing.assert_close(got.probs, ref.probs, atol=1e-6, rtol=1e-4)
         assert torch.allclose(ref.probs.sum(-1), torch.ones(num_req, k))
@@ -238,20 +249,25 @@ def test_sampling_follows_softmax_and_ignores_batch_position() -> None:
         anchor=torch.zeros(num_req, dtype=torch.int64),
         w1=torch.zeros(vocab, rank), w2=torch.zeros(vocab, rank),
         temperature=torch.full((num_req,), 0.8), seeds=torch.arange(num_req) * 7919 + 3,
+        use_kernel=False,
     )
-    out = sequential_head.sequential_head_reference(**args)
+    out = dispatch.sequential_head(**args)
     freq = torch.bincount(out.tokens[:, 0], minlength=vocab).double() / num_req
     torch.testing.assert_close(freq, torch.softmax(logits.double() / 0.8, 0), atol=0.012, rtol=0)
-    flipped = sequential_head.sequential_head_reference(**{**args, "seeds": args["seeds"].flip(0)})
+    flipped = dispatch.sequential_head(**{**args, "seeds": args["seeds"].flip(0)})
     assert torch.equal(flipped.tokens.flip(0), out.tokens)
 
 
-def test_greedy_probability_is_softmax_at_unit_temperature() -> None:
-    case = _head_case(2, 2, 50, 8, 8, torch.float64, None)
-    case["temperature"] = torch.zeros(2)
-    out = sequential_head.sequential_head_reference(**case, return_probs=True, compute_dtype=torch.float64)
-    assert torch.equal(out.tokens, out.probs.argmax(-1))
-    torch.testing.assert_close(out.token_probs.double(), out.probs.max(-1).values.double())
+def test_greedy_rows_are_point_masses_at_the_argmax() -> None:
+    """A greedy row's token is not drawn from the softmax: its draft row is one-hot, the
+    token's probability 1, and no seed changes it."""
+    case = _head_case(3, 2, 50, 8, 8, torch.float64, None)
+    case["temperature"] = torch.zeros(3)
+    out = _model_reference(case, return_probs=True)
+    assert torch.equal(out.probs, torch.nn.functional.one_hot(out.tokens, 50).float())
+    assert torch.equal(out.token_probs, torch.ones(3, 2))
+    reseeded = _model_reference({**case, "seeds": case["seeds"] + 1}, return_probs=True)
+    assert torch.equal(reseeded.tokens, out.tokens)
 
 
 # ---------------------------------------------------------------------------- admission
@@ -335,8 +351,11 @@ def test_wrappers_use_reference(monkeypatch: pytest.MonkeyPatch, reason: str) ->
     torch.testing.assert_close(dispatch.verify_attention(**case),
                                verify_attention.verify_attention_reference(**case))
     head = _head_case(2, 2, 40, 8, 8, torch.float32)
-    assert torch.equal(dispatch.sequential_head(**head).tokens,
-                       sequential_head.sequential_head_reference(**head).tokens)
+    heads = vanilla_heads(head["w1"], head["w2"], 8, head["conf_weight"], head["conf_bias"])
+    model = sequential_draft(*heads, head["conf_temps"], head["base_logits"], head["hidden"], head["anchor"],
+                             head["temperature"], head["seeds"])
+    got = dispatch.sequential_head(**head)
+    assert torch.equal(got.tokens, model.tokens) and torch.equal(got.confidences, model.confidences)
     conf = torch.rand(3, 4)
     assert torch.equal(dispatch.admission_lengths(conf, 5), admission.admission_lengths_reference(conf, 5))
 

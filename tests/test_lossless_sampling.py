@@ -89,7 +89,7 @@ def test_dspark_policy_keeps_target_distribution(peaked_target: Path, tmp_path: 
     from tests.tiny_models import engine_scheduler, spec_counters
 
     assert spec_counters(llm)["num_accepted_tokens"] > 50, "drafts must be accepted for the test to mean anything"
-    assert engine_scheduler(llm).dspark_stats.pruned > 0
+    assert engine_scheduler(llm).controller.stats.pruned > 0
     assert goodness_of_fit(baseline, exact) > 1e-3
     assert goodness_of_fit(speculative, exact) > 1e-3
 

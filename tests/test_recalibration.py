@@ -101,8 +101,9 @@ def test_simulator_recalibration_recovers_throughput_lost_to_over_confidence():
     assert np.allclose(sim.distort(trace, 1.0, 0.0).confidences, trace.confidences, atol=1e-5)
     over = sim.distort(trace, 1.0, 2.0)
     curve = sim.cpu_curve()
-    calibrated = sim.simulate(trace, curve, 8, "dspark", {}, 0.0)["throughput"]
-    raw = sim.simulate(over, curve, 8, "dspark", {}, 0.0)["throughput"]
-    recalibrated = sim.simulate(over, curve, 8, "dspark", {}, 0.0, OnlineRecalibrator())["throughput"]
+    dspark = {"policy": "dspark"}
+    calibrated = sim.simulate(trace, curve, 8, dspark, 0.0)["throughput"]
+    raw = sim.simulate(over, curve, 8, dspark, 0.0)["throughput"]
+    recalibrated = sim.simulate(over, curve, 8, dspark, 0.0, recalibrate=True)["throughput"]
     assert raw < 0.97 * calibrated
     assert recalibrated - raw > 0.5 * (calibrated - raw)

@@ -1,8 +1,9 @@
-"""extract-features, train (single process, resumed, torchrun), calibrate and their bad inputs,
-end to end on the tiny random target."""
+"""extract-features, train (single process, resumed, torchrun, data-parallel exactness, device
+choice), calibrate and their bad inputs, end to end on the tiny random target."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -13,17 +14,23 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing
 from safetensors.torch import load_file
+from torch.nn.parallel import DistributedDataParallel
 
 from tests.tiny_models import TINY_VOCAB, make_drafter
 from vllm_dspark.cli import main
 from vllm_dspark.model.drafter import DSparkDrafter
 from vllm_dspark.model.target_features import capture_target_states
 from vllm_dspark.training import train as train_module
+from vllm_dspark.training.blocks import BlockBatch, DrafterLoss
+from vllm_dspark.training.distributed import DeviceError, select_device
 from vllm_dspark.training.features import FeatureStore, OnTheFlyFeatures, heldout_score, read_index
 
 DRAFTER = ["--num-layers", "1", "--block-size", "4", "--markov-rank", "16"]
 HELDOUT_FRAC = 0.25
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 def write_records(path: Path, records: list[tuple[list[int], list[int]]]) -> Path:
@@ -58,8 +65,9 @@ def features(tiny_target: Path, tiny_data: Path, tmp_path_factory: pytest.TempPa
 
 
 def train_argv(target: Path, features: Path, out: Path, *extra: str) -> list[str]:
+    """CPU unless `extra` says otherwise: the exactness checks need its fp32 determinism."""
     return ["train", "--target", str(target), "--features", str(features), "--out", str(out),
-            "--batch-seqs", "4", "--anchors-per-seq", "8", "--lr", "3e-3", "--seed", "0", *extra]
+            "--batch-seqs", "4", "--anchors-per-seq", "8", "--lr", "3e-3", "--seed", "0", "--device", "cpu", *extra]
 
 
 def read_log(out: Path) -> list[dict]:
@@ -99,10 +107,13 @@ def test_extract_resumes_without_redoing(tiny_target: Path, tiny_data: Path, fea
 
 
 # ---------------------------------------------------------------- training
-def test_short_training_lowers_loss(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_short_training_lowers_loss(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path, device: str, capsys) -> None:
     out = tmp_path / "drafter"
-    argv = train_argv(tiny_target, features[0], out, *DRAFTER, "--steps", "40", "--save-every", "0", "--save-dtype", "bfloat16")
+    argv = train_argv(tiny_target, features[0], out, *DRAFTER, "--steps", "40", "--save-every", "0",
+                      "--save-dtype", "bfloat16", "--device", device)
     assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out.split("train: ", 1)[1])["device"] == device
     log = read_log(out)
     assert len(log) == 40
     first = sum(r["total"] for r in log[:5]) / 5
@@ -163,6 +174,91 @@ def test_torchrun_two_processes_keep_identical_weights(tiny_target: Path, featur
     assert all(len(d) == 2 for d in by_rank.values()), digests  # checked at both checkpoints
     assert by_rank["0"] == by_rank["1"], digests
     assert len(read_log(out)) == 4 and all(r["anchors"] == 2 * 4 * 8 for r in read_log(out))
+
+
+def _ddp_rank_step(rank: int, drafter_dir: Path, target: Path, batches: Path, out: Path) -> None:
+    """One DDP forward/backward of rank `rank` on its own batch (gloo, 2 ranks)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=2)
+    try:
+        drafter = DSparkDrafter.from_pretrained(drafter_dir, target)
+        model = DistributedDataParallel(DrafterLoss(drafter))
+        batch = BlockBatch(**torch.load(batches / f"rank{rank}.pt"))
+        losses = model(batch)
+        losses["total"].backward()
+        _, row = train_module.step_stats(batch.num_blocks, losses, 2)
+        grads = {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
+        torch.save({"row": row, "grads": grads}, out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def random_batch(config, generator: torch.Generator, anchor_weights: list[list[float]], length: int = 16) -> BlockBatch:
+    """Random features for len(anchor_weights) sequences; weight 0 marks a padding anchor."""
+    b, a = len(anchor_weights), len(anchor_weights[0])
+    k, d = config.block_size, config.hidden_size
+    anchors = torch.stack([torch.randperm(length - k, generator=generator)[:a].sort().values for _ in range(b)])
+    return BlockBatch(
+        input_ids=torch.randint(0, TINY_VOCAB, (b, length), generator=generator),
+        context=torch.randn(b, length, len(config.target_layer_ids) * d, generator=generator),
+        last_hidden=torch.randn(b, length, d, generator=generator),
+        anchors=anchors,
+        anchor_weights=torch.tensor(anchor_weights),
+    )
+
+
+def concat(*batches: BlockBatch) -> BlockBatch:
+    return BlockBatch(**{f.name: torch.cat([getattr(b, f.name) for b in batches]) for f in dataclasses.fields(BlockBatch)})
+
+
+def test_data_parallel_step_equals_one_process_on_the_union(tiny_target: Path, tmp_path: Path) -> None:
+    """Two gloo ranks with 2 and 7 real blocks take exactly the step (gradient and logged
+    losses) of one process on both batches: the denominators are summed across ranks."""
+    drafter_dir = make_drafter(tiny_target, tmp_path / "drafter")
+    drafter = DSparkDrafter.from_pretrained(drafter_dir, tiny_target)
+    generator = torch.Generator().manual_seed(0)
+    rank_batches = [
+        random_batch(drafter.config, generator, [[1, 0, 0, 0], [1, 0, 0, 0]]),
+        random_batch(drafter.config, generator, [[1, 1, 1, 1], [1, 1, 1, 0]]),
+    ]
+    for rank, batch in enumerate(rank_batches):
+        torch.save(dataclasses.asdict(batch), tmp_path / f"rank{rank}.pt")
+    torch.multiprocessing.spawn(_ddp_rank_step, args=(drafter_dir, tiny_target, tmp_path, tmp_path), nprocs=2)
+
+    union = DrafterLoss(drafter)(concat(*rank_batches))
+    union["total"].backward()
+    expected = {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
+    _, expected_row = train_module.step_stats(concat(*rank_batches).num_blocks, union, 1)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["grads"].keys() == expected.keys()
+        for name, grad in expected.items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+        assert result["row"] == pytest.approx(expected_row, rel=1e-5)
+    # The check has teeth: averaging the two ranks' own means gives another loss.
+    with torch.no_grad():
+        per_rank = [DrafterLoss(drafter)(b)["total"].item() for b in rank_batches]
+    assert abs(sum(per_rank) / 2 - union["total"].item()) > 1e-3
+
+
+def test_device_selection(monkeypatch) -> None:
+    """auto falls back to the CPU unless every local rank has a GPU; cuda without one
+    fails with a message that says so. GPUs are faked: only the choice is tested."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select_device("auto") == torch.device("cpu") and select_device("cpu") == torch.device("cpu")
+    with pytest.raises(DeviceError, match="no CUDA device is visible"):
+        select_device("cuda")
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert select_device("auto") == torch.device("cpu")  # two ranks, one GPU
+    with pytest.raises(DeviceError, match="2 ranks on this node but 1 visible"):
+        select_device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert select_device("auto") == torch.device("cuda", 1) and chosen == [1]
 
 
 # ---------------------------------------------------------------- calibration
@@ -258,6 +354,9 @@ def test_train_bad_inputs(tiny_target: Path, features: tuple[Path, Path], tmp_pa
     assert exc.value.code == 2
     code, err = run_cli(train_argv(tiny_target, features[0], out, "--block-size", "60", *steps), capsys)
     assert code == 1 and "block_size=60" in err
+    if not torch.cuda.is_available():
+        code, err = run_cli(train_argv(tiny_target, features[0], out, "--device", "cuda", *steps), capsys)
+        assert code == 1 and "--device cuda: no CUDA device is visible" in err
 
 
 def test_calibrate_bad_inputs(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path, capsys) -> None:

@@ -104,6 +104,20 @@ def engine_scheduler(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
+def record_decisions(llm) -> list:
+    """Every VerifyDecision the engine's controller makes from now on, in order."""
+    controller = engine_scheduler(llm).controller
+    decisions: list = []
+    decide = controller.decide
+
+    def recording(step):
+        decisions.append(decide(step))
+        return decisions[-1]
+
+    controller.decide = recording
+    return decisions
+
+
 def generate_ids(llm, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> list[list[int]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

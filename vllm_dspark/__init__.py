@@ -10,7 +10,11 @@ METHOD = "vllm_dspark"
 
 
 def register() -> None:
-    """Teach vLLM the `vllm_dspark` speculative method (idempotent)."""
+    """Teach vLLM the `vllm_dspark` speculative method (idempotent); refuse a vLLM
+    release outside the supported range (see `integration/compat.py`)."""
+    from vllm_dspark.integration import compat
+
+    compat.check_vllm_version()
     from vllm_dspark.integration import vllm_patches
 
     vllm_patches.apply()

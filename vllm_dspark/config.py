@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from vllm_dspark.scheduling.policies import POLICY_TYPES, PolicyName
+
 if TYPE_CHECKING:
     from vllm_dspark.scheduling.sps import SpsCurve
 
@@ -150,7 +152,6 @@ class DrafterConfig(BaseModel):
 # `sps_profile: "auto"`: the profile cached by `vllm-dspark profile --cache` for this
 # model, dtype, hardware and vLLM version.
 AUTO_PROFILE = "auto"
-VerifyPolicyName = Literal["fixed", "threshold", "dspark", "dspark_async", "sla"]
 
 
 class PluginOptions(BaseModel):
@@ -163,7 +164,7 @@ class PluginOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # None: `dspark` when a throughput curve is given, else `fixed` (logged at start-up).
-    policy: VerifyPolicyName | None = None
+    policy: PolicyName | None = None
     # fixed policy: verify min(k, K) draft tokens; None = all K.
     k: int | None = Field(default=None, ge=0)
     threshold: float = Field(default=0.5, ge=0.0, le=1.0)
@@ -186,8 +187,7 @@ class PluginOptions(BaseModel):
         has_curve = self.sps_table is not None or self.sps_profile is not None
         if self.policy is None:
             self.policy = "dspark" if has_curve else "fixed"
-        needs_curve = self.policy in ("dspark", "dspark_async", "sla")
-        if needs_curve and not has_curve:
+        if POLICY_TYPES[self.policy].needs_curve and not has_curve:
             raise ValueError(
                 f"policy '{self.policy}' needs the engine throughput curve: give "
                 "'sps_table' ([[batch_tokens, steps_per_second], ...]) or 'sps_profile' "

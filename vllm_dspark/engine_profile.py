@@ -10,10 +10,8 @@ it with `"sps_profile": "auto"`.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -23,43 +21,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from vllm_dspark.scheduling.profiles import cached_profile_path, profile_key
 from vllm_dspark.scheduling.sps import SpsCurve
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def hardware_name() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name()
-    except ImportError:
-        pass
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
-    return f"{platform.machine()} x{os.cpu_count()}"
-
-
-def profile_key(model: str, dtype: str) -> dict[str, str]:
-    from vllm_dspark.serve import installed_vllm_version
-
-    return {
-        "model": str(Path(model).resolve()) if Path(model).exists() else model,
-        "dtype": dtype,
-        "hardware": hardware_name(),
-        "vllm_version": installed_vllm_version(),
-    }
-
-
-def cached_profile_path(key: dict[str, str]) -> Path:
-    """Where the plugin looks for a profile of this engine (`"sps_profile": "auto"`)."""
-    cache = Path(os.environ.get("VLLM_DSPARK_CACHE", Path.home() / ".cache" / "vllm-dspark"))
-    digest = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:16]
-    return cache / "profiles" / f"sps-{digest}.json"
 
 
 def time_decode_steps(llm, batch: int, context_len: int, steps: int, vocab_size: int, seed: int) -> list[float]:

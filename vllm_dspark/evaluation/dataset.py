@@ -2,16 +2,27 @@
 holds the user messages of one conversation (MT-Bench has two).
 
 A turn is text (rendered with the target's chat template) or, for targets without a
-tokenizer such as the random test models, a list of token ids used verbatim.
+tokenizer such as the random test models, a list of token ids used verbatim. The
+project's evaluation sets ship in `prompts/` beside this file (see its README.md).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 Turn = str | list[int]
+EVAL_DIR_ENV = "VLLM_DSPARK_EVAL_DIR"
+
+
+def default_eval_dir() -> Path:
+    """The evaluation prompts, for measuring and for keeping out of training data:
+    `$VLLM_DSPARK_EVAL_DIR`, else the sets shipped in the package, so that nothing
+    outside the installed package is read at run time."""
+    env = os.environ.get(EVAL_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parent / "prompts"
 
 
 @dataclass(frozen=True)

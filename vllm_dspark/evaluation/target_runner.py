@@ -2,8 +2,8 @@
 also returns the hidden states the drafter reads.
 
 Each speculative round then costs one target forward of K + 1 tokens instead of the whole
-sequence. Hidden states are captured with forward hooks exactly as in
-`vllm_dspark.model.target_features` (layer i = residual stream after decoder layer i,
+sequence. Hidden states are captured by `vllm_dspark.model.target_features.LayerCapture`,
+the hooks training features come from (layer i = residual stream after decoder layer i,
 -1 = embeddings), kept for every cached position and cropped with the cache after a
 rejection, so the drafter always sees the states of the tokens that were kept.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from vllm_dspark.model.target_features import decoder_layers
+from vllm_dspark.model.target_features import LayerCapture
 
 
 class IncrementalTarget:
@@ -25,13 +25,7 @@ class IncrementalTarget:
     def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
         self.model = model.eval()
         self.layer_ids = list(layer_ids)
-        inner = getattr(model, "model", model)
-        layers = decoder_layers(model)
-        self._captured: dict[int, torch.Tensor] = {}
-        self._handles = [
-            (inner.embed_tokens if i == -1 else layers[i]).register_forward_hook(self._keeper(i))
-            for i in self.layer_ids
-        ]
+        self._capture = LayerCapture(model, self.layer_ids)
         self.cache = DynamicCache(config=model.config)
         self.context = torch.empty(1, 0, 0)
 
@@ -40,12 +34,6 @@ class IncrementalTarget:
         """fp32 on purpose: on CPUs without bf16 hardware bf16 compute is several times slower."""
         model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
         return cls(model, layer_ids)
-
-    def _keeper(self, index: int):
-        def hook(_module: nn.Module, _inputs: object, output: object) -> None:
-            self._captured[index] = output[0] if isinstance(output, tuple) else output
-
-        return hook
 
     @property
     def length(self) -> int:
@@ -63,8 +51,7 @@ class IncrementalTarget:
         out = self.model(
             input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep
         )
-        states = torch.cat([self._captured[i].float() for i in self.layer_ids], dim=-1)
-        self._captured.clear()
+        states = self._capture.states()
         self.context = states if self.length == 0 else torch.cat([self.context, states], dim=1)
         return out.logits.float()
 
@@ -78,6 +65,4 @@ class IncrementalTarget:
             self.context = self.context[:, :length]
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._capture.close()

@@ -1,112 +1,49 @@
-"""Plugin metrics: what the verification policy did, for Prometheus and the logs.
+"""Plugin metrics: what the verification controller did, on the API server's `/metrics`.
 
-The scheduler runs in the engine-core process, while `/metrics` is served by the API
-server process, and vLLM's stats messages between them have a fixed schema. So the
-scheduler writes a small JSON snapshot (atomically, about once a second) to a file
-named in the engine config, and a stat-logger plugin in the API server exposes it as
-Prometheus metrics through a custom collector on vLLM's registry.
+The scheduler runs in the engine-core process, `/metrics` is served by the API server
+process. The plugin's counters travel the way vLLM's own scheduler stats do: every
+`SchedulerStats` message from the engine core carries a `vllm_dspark` field (added by
+`vllm_patches`), filled about once a second and when the engine goes idle. A stat-logger
+plugin (entry point `vllm.stat_logger_plugins`) in the API server keeps the latest
+snapshot per engine and a collector on vLLM's registry exposes them, labelled with the
+engine index, so data-parallel engines never mix.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-import uuid
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+import threading
+from typing import Any
 
 import numpy as np
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-METRICS_FILE_KEY = "vllm_dspark_metrics_file"
+from vllm_dspark.scheduling.stats import DSparkStats
+
+STATS_FIELD = "vllm_dspark"
 
 
-def new_metrics_file() -> str:
-    """A per-engine snapshot path, chosen once in the front-end process."""
-    directory = Path(os.environ.get("VLLM_DSPARK_METRICS_DIR", tempfile.gettempdir()))
-    return str(directory / f"vllm_dspark_metrics_{os.getpid()}_{uuid.uuid4().hex[:8]}.json")
+def attach_stats(scheduler_stats: Any, stats: DSparkStats) -> None:
+    """Put a snapshot of the plugin's stats into vLLM's scheduler stats message."""
+    setattr(scheduler_stats, STATS_FIELD, stats.to_dict())
 
 
-@dataclass
-class DSparkStats:
-    """Cumulative counters since engine start."""
-
-    policy: str = ""
-    steps: int = 0
-    proposed: int = 0  # draft tokens the drafter proposed
-    verified: int = 0  # draft tokens the policy sent to verification
-    accepted: int = 0  # verified draft tokens the target accepted
-    predicted_accepted: float = 0.0  # sum of prefix survival a_k over verified tokens
-    verified_requests: int = 0  # (request, step) pairs that verified >= 0 drafts
-    missing_confidences: int = 0
-    invalid_confidences: int = 0
-    step_overhead_ms: float = 0.0  # learned per-step time beyond the SPS profile (drafting)
-    # Live recalibration per sampling mode ("greedy", "sampled") and block position:
-    # c' = sigmoid(slope * logit(c) + shift).
-    confidence_slopes: dict[str, list[float]] = field(default_factory=dict)
-    confidence_shifts: dict[str, list[float]] = field(default_factory=dict)
-    # verified_length_counts[l] = number of (request, step) pairs that verified l drafts
-    verified_length_counts: list[int] = field(default_factory=list)
-
-    @property
-    def pruned(self) -> int:
-        return self.proposed - self.verified
-
-    @property
-    def calibration_error(self) -> float:
-        """Mean over verified drafts of predicted survival minus observed acceptance
-        (0 = calibrated, > 0 = over-confident)."""
-        return (self.predicted_accepted - self.accepted) / max(1, self.verified)
-
-    def record_decision(self, proposed: np.ndarray, verified: np.ndarray) -> None:
-        self.steps += 1
-        self.proposed += int(proposed.sum())
-        self.verified += int(verified.sum())
-        self.verified_requests += len(verified)
-        width = int(proposed.max(initial=0)) + 1
-        if len(self.verified_length_counts) < width:
-            self.verified_length_counts += [0] * (width - len(self.verified_length_counts))
-        for length in verified:
-            self.verified_length_counts[int(length)] += 1
-
-    def summary(self) -> str:
-        return (
-            f"policy {self.policy}: {self.steps} steps, drafts proposed {self.proposed}, "
-            f"verified {self.verified}, pruned {self.pruned} "
-            f"({100.0 * self.pruned / max(1, self.proposed):.1f}%), accepted {self.accepted} "
-            f"(predicted {self.predicted_accepted:.1f}, calibration error "
-            f"{self.calibration_error:+.3f} per verified draft), mean verification budget "
-            f"{self.verified / max(1, self.verified_requests):.2f} tokens/request, step overhead "
-            f"beyond the SPS profile {self.step_overhead_ms:.1f} ms"
-            + "".join(
-                f", {mode} confidence recalibration: slopes {[round(x, 2) for x in self.confidence_slopes[mode]]} "
-                f"shifts {[round(x, 2) for x in shifts]}"
-                for mode, shifts in self.confidence_shifts.items()
-            )
-        )
-
-    def write(self, path: str) -> None:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as handle:
-            json.dump(asdict(self), handle)
-        os.replace(tmp, path)
-
-    @classmethod
-    def read(cls, path: str) -> "DSparkStats | None":
-        try:
-            with open(path) as handle:
-                return cls(**json.load(handle))
-        except (OSError, ValueError, TypeError):
-            return None
+def metric_families(snapshots: dict[int, DSparkStats]) -> list:
+    """Prometheus metric families for the latest snapshot of each engine."""
+    families: dict[str, Any] = {}
+    for engine, stats in sorted(snapshots.items()):
+        for family in _engine_families(engine, stats):
+            if family.name in families:
+                families[family.name].samples.extend(family.samples)
+            else:
+                families[family.name] = family
+    return list(families.values())
 
 
-def metric_families(stats: DSparkStats) -> list:
-    """Prometheus metric families for one snapshot."""
+def _engine_families(engine: int, stats: DSparkStats) -> list:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-    labels = ["policy"]
-    values = [stats.policy]
+    labels = ["engine", "policy"]
+    values = [str(engine), stats.policy]
     families = []
     for name, doc, value in [
         ("proposed_draft_tokens", "Draft tokens proposed by the drafter", stats.proposed),
@@ -155,28 +92,44 @@ def metric_families(stats: DSparkStats) -> list:
 
 
 class _SnapshotCollector:
-    def __init__(self, path: str) -> None:
-        self.path = path
+    """Latest snapshot per engine index, read on each scrape; one per process."""
+
+    def __init__(self) -> None:
+        self.snapshots: dict[int, DSparkStats] = {}
+        self.lock = threading.Lock()
 
     def collect(self):
-        stats = DSparkStats.read(self.path)
-        return metric_families(stats) if stats is not None else []
+        with self.lock:
+            snapshots = dict(self.snapshots)
+        return metric_families(snapshots)
+
+
+_collector: _SnapshotCollector | None = None
+
+
+def _shared_collector(registry: Any) -> _SnapshotCollector:
+    global _collector
+    if _collector is None:
+        _collector = _SnapshotCollector()
+        registry.register(_collector)
+    return _collector
 
 
 class DSparkMetricsLogger(StatLoggerBase):
-    """vLLM stat-logger plugin (entry point `vllm.stat_logger_plugins`) that publishes
-    the scheduler's snapshot on the API server's `/metrics`."""
+    """vLLM stat-logger plugin (entry point `vllm.stat_logger_plugins`), one per engine:
+    publishes the plugin's stats that arrive with the engine's scheduler stats."""
 
     def __init__(self, vllm_config, engine_index: int = 0) -> None:
-        self.path = (vllm_config.additional_config or {}).get(METRICS_FILE_KEY)
-        if self.path is None:
-            return
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-        get_prometheus_registry().register(_SnapshotCollector(self.path))
+        self.engine_index = engine_index
+        self.collector = _shared_collector(get_prometheus_registry())
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-        """Nothing to do per step: the collector reads the snapshot on each scrape."""
+        payload = getattr(scheduler_stats, STATS_FIELD, None)
+        if payload is not None:
+            with self.collector.lock:
+                self.collector.snapshots[engine_idx] = DSparkStats.from_dict(payload)
 
     def log_engine_initialized(self) -> None:
         """The scheduler logs its own start-up line."""

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from vllm.v1.outputs import DraftTokenIds
 
 
 @dataclass
 class DraftTokenIdsWithConfidence(DraftTokenIds):
-    # num_reqs x num_draft_tokens calibrated conditional confidences c_k, rows aligned
-    # with `req_ids`; None when the drafter did not run this step (zero-filled drafts).
-    confidences: list[list[float]] | None = None
+    # [num_reqs, num_draft_tokens] calibrated conditional confidences c_k (float32), rows
+    # aligned with `req_ids`; None when the drafter did not run this step.
+    confidences: np.ndarray | None = None

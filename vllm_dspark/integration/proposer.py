@@ -5,40 +5,37 @@ patch module points that name at this subclass, which behaves exactly like its p
 method "dflash" and adds, for "vllm_dspark":
 - anchor-first sampling slots (slot k predicts the token at anchor position k + 1),
 - the Markov loop with per-request temperature and exact draft probabilities,
-- per-position confidences kept for the scheduler (`take_confidences`).
+- per-position confidences kept for the scheduler (`take_confidences`): one [N, K] array,
+  copied to the host without blocking and read once the runner hands the drafts over.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_dspark import METHOD
+from vllm_dspark.integration.compat import dflash_proposer_base
 from vllm_dspark.kernels import dispatch
-from vllm_dspark.model.heads import DraftOutput, MarkovHead, sequential_draft
+from vllm_dspark.model.heads import DraftOutput, MarkovHead, draft_seeds, sequential_draft
 
-METHOD = "vllm_dspark"
 # vLLM marks greedy requests with a temperature below this value.
 _GREEDY_EPS = 1e-5
 
 
-class DSparkProposer(DFlashProposer):
+class DSparkProposer(dflash_proposer_base()):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None) -> None:
-        spec_config = vllm_config.speculative_config
-        assert spec_config is not None
-        self.is_dspark = spec_config.method == METHOD
-        # The parent asserts method == "dflash"; everything it sets up is what we need.
-        if self.is_dspark:
-            spec_config.method = "dflash"
-        try:
-            super().__init__(vllm_config, device, runner)
-        finally:
-            if self.is_dspark:
-                spec_config.method = METHOD
+        assert vllm_config.speculative_config is not None
+        self.is_dspark = vllm_config.speculative_config.method == METHOD
+        super().__init__(vllm_config, device, runner)
         self._anchors: torch.Tensor | None = None
-        self._confidences: list[list[float]] | None = None
+        # The last proposal's confidences on the host (filled without blocking) and the
+        # event after which they are there (None on CPU, where the copy is synchronous).
+        self._confidences: torch.Tensor | None = None
+        self._confidences_ready: torch.cuda.Event | None = None
 
     def set_inputs_first_pass(
         self,
@@ -65,11 +62,11 @@ class DSparkProposer(DFlashProposer):
         # The parent samples the K mask slots (1..K); DSpark reads slots 0..K-1.
         return num_tokens, sample_indices - 1, new_cad
 
-    def _sample_draft_tokens(
+    def sample_block(
         self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.is_dspark:
-            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+            return super().sample_block(hidden_states, sampling_metadata)
         assert self._anchors is not None
         k = self.num_speculative_tokens
         batch = hidden_states.shape[0] // k
@@ -87,14 +84,30 @@ class DSparkProposer(DFlashProposer):
             out = sequential_draft(
                 model.markov_head, model.confidence_head, model.confidence_temperatures, base_logits, hidden, anchors, temperature
             )
-        self._confidences = out.confidences.float().cpu().tolist()
+        self._keep_confidences(out.confidences)
         probs = None if out.probs is None else out.probs.reshape(batch * k, -1)
         return out.tokens.reshape(-1), probs
 
-    def take_confidences(self) -> list[list[float]] | None:
-        """Confidences of the last proposal, handed over once (then None until the next)."""
+    def _keep_confidences(self, confidences: torch.Tensor) -> None:
+        """Start the copy to the host; no sync here (propose runs ahead of the GPU)."""
+        if confidences.device.type != "cuda":
+            self._confidences, self._confidences_ready = confidences.float(), None
+            return
+        host = torch.empty(confidences.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(confidences, non_blocking=True)
+        self._confidences_ready = torch.cuda.Event()
+        self._confidences_ready.record()
+        self._confidences = host
+
+    def take_confidences(self) -> np.ndarray | None:
+        """Confidences [N, K] of the last proposal, handed over once (then None until the
+        next); waits for their copy only now, when the runner hands the drafts over."""
         confidences, self._confidences = self._confidences, None
-        return confidences
+        if confidences is None:
+            return None
+        if self._confidences_ready is not None:
+            self._confidences_ready.synchronize()
+        return confidences.numpy()
 
 
 def fused_head_applies(model) -> bool:
@@ -110,13 +123,14 @@ def fused_head_applies(model) -> bool:
 def fused_sequential_draft(
     model, base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor | None
 ) -> DraftOutput:
-    """The sequential stage in one fused kernel (kernels/sequential_head.py)."""
+    """The sequential stage in one fused kernel (kernels/sequential_head.py): for the same
+    seeds, the tokens `sequential_draft` draws on the model's heads."""
     batch = base_logits.shape[0]
     temps = torch.zeros(batch, device=base_logits.device) if temperature is None else temperature
-    # The kernel's sampler is keyed by (seed, step, token); fresh seeds every round.
-    seeds = torch.randint(0, 2**31 - 1, (batch,), device=base_logits.device)
+    # The sampler is keyed by (seed, step, token); fresh seeds every round.
+    seeds = draft_seeds(batch, base_logits.device)
     proj = model.confidence_head.proj
-    fused = dispatch.sequential_head(
+    return dispatch.sequential_head(
         base_logits,
         anchors,
         model.markov_head.markov_w1.weight,
@@ -129,7 +143,6 @@ def fused_sequential_draft(
         conf_temps=model.confidence_temperatures,
         return_probs=temperature is not None,
     )
-    return DraftOutput(tokens=fused.tokens, probs=fused.probs, confidences=fused.confidence)
 
 
 def confidence_bias(head: torch.nn.Module) -> float:

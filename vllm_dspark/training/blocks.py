@@ -10,13 +10,14 @@ one context pass; the drafter's `block_mask` keeps each block to its own context
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from vllm_dspark.model.drafter import DSparkDrafter
+from vllm_dspark.training.distributed import data_parallel_denominator
 from vllm_dspark.training.features import FeatureSource, SequenceFeatures
-from vllm_dspark.training.losses import LossWeights, dspark_losses
+from vllm_dspark.training.losses import LossWeights, dspark_losses, supervision_weights
 
 
 def valid_anchors(length: int, response_start: int, block_size: int) -> torch.Tensor:
@@ -67,6 +68,10 @@ class BlockBatch:
     def num_blocks(self) -> int:
         return int(self.anchor_weights.sum())
 
+    def to(self, device: torch.device) -> BlockBatch:
+        """Packed on the CPU (where features are read), then moved as a whole."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
 
 def pack_batch(
     sequences: list[SequenceFeatures], anchors_per_seq: int, block_size: int, generator: torch.Generator | None
@@ -104,12 +109,13 @@ def teacher_forced_blocks(drafter: DSparkDrafter, batch: BlockBatch) -> TeacherF
     Padding blocks are dropped before the vocabulary-sized work, which dominates a step."""
     k = drafter.config.block_size
     b, a = batch.anchors.shape
+    device = batch.anchors.device
     anchor_tokens = batch.input_ids.gather(1, batch.anchors)
     hidden = drafter.backbone(batch.context, drafter.block_input_ids(anchor_tokens, k), batch.anchors)
     keep = batch.anchor_weights.reshape(-1) > 0
     hidden = hidden[:, :, :k].reshape(b * a, k, -1)[keep]
-    rows = torch.arange(b).repeat_interleave(a)[keep].unsqueeze(-1)  # [N, 1] sequence of each block
-    positions = (batch.anchors.reshape(-1, 1) + torch.arange(k))[keep]  # [N, K]: p .. p+K-1
+    rows = torch.arange(b, device=device).repeat_interleave(a)[keep].unsqueeze(-1)  # [N, 1] sequence of each block
+    positions = (batch.anchors.reshape(-1, 1) + torch.arange(k, device=device))[keep]  # [N, K]: p .. p+K-1
     prev_tokens = batch.input_ids[rows, positions]  # anchor, then the true tokens
     logits, conf_logits = drafter.teacher_forced_heads(hidden, prev_tokens)
     with torch.no_grad():
@@ -124,7 +130,9 @@ def teacher_forced_blocks(drafter: DSparkDrafter, batch: BlockBatch) -> TeacherF
 
 
 class DrafterLoss(torch.nn.Module):
-    """The drafter plus its loss as one module, so DistributedDataParallel can wrap it."""
+    """The drafter plus its loss as one module, so DistributedDataParallel can wrap it.
+    Under a process group the losses are shares of the mean over all ranks' positions
+    (`data_parallel_denominator`), so DDP's averaged gradient is that mean's gradient."""
 
     def __init__(self, drafter: DSparkDrafter, weights: LossWeights = LossWeights()) -> None:
         super().__init__()
@@ -133,4 +141,8 @@ class DrafterLoss(torch.nn.Module):
 
     def forward(self, batch: BlockBatch) -> dict[str, torch.Tensor]:
         out = teacher_forced_blocks(self.drafter, batch)
-        return dspark_losses(out.logits, out.target_probs, out.targets, out.conf_logits, out.row_weights, self.weights)
+        local = supervision_weights(out.row_weights, self.drafter.config.block_size).sum()
+        return dspark_losses(
+            out.logits, out.target_probs, out.targets, out.conf_logits, out.row_weights, self.weights,
+            denominator=data_parallel_denominator(local),
+        )

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from vllm_dspark.cli import positive_int
+from vllm_dspark.evaluation.dataset import EVAL_DIR_ENV, default_eval_dir
 
 logger = logging.getLogger(__name__)
 
@@ -121,14 +122,6 @@ def _shingles(text: str) -> set[str]:
     n = NEAR_DUP_NGRAM
     grams = (words[i : i + n] for i in range(len(words) - n + 1))
     return {" ".join(g) for g in grams if sum(any(c.isalpha() for c in w) for w in g) >= 3}
-
-
-def default_eval_dir() -> Path:
-    """`$VLLM_DSPARK_EVAL_DIR`, else `../shared/data/eval` next to the repository."""
-    env = os.environ.get("VLLM_DSPARK_EVAL_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "eval"
 
 
 def read_eval_prompts(eval_dir: Path) -> list[str]:
@@ -634,7 +627,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--eval-dir", type=Path, default=None,
                         help="evaluation prompts to keep out of training "
-                        "(default: $VLLM_DSPARK_EVAL_DIR or ../shared/data/eval)")
+                        f"(default: ${EVAL_DIR_ENV} or the sets shipped in vllm_dspark/evaluation/prompts)")
     parser.set_defaults(func=_run)
 
 

@@ -177,26 +177,30 @@ def check_source_fits(source: FeatureSource, config: DrafterConfig, target_dir: 
 
 
 # ------------------------------------------------------------------ target model
-def load_target(target_dir: Path) -> torch.nn.Module:
-    """The target in fp32 (this CPU has no bf16 arithmetic), eval mode, no grads."""
+def load_target(target_dir: Path, device: torch.device = torch.device("cpu")) -> torch.nn.Module:
+    """The frozen target in eval mode: fp32 on a CPU (these CPUs have no bf16 arithmetic),
+    bf16 on a GPU (what the feature store keeps anyway)."""
     from transformers import AutoModelForCausalLM
 
     if not (Path(target_dir) / "config.json").is_file():
         raise FeatureError(f"target checkpoint not found (no config.json): {target_dir}")
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
-    return model.eval().requires_grad_(False)
+    dtype = torch.float32 if device.type == "cpu" else STORE_DTYPE
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype)
+    return model.to(device).eval().requires_grad_(False)
 
 
 def run_target(
     model: torch.nn.Module, sequences: list[list[int]], layer_ids: list[int]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Context and last hidden states per sequence from one right-padded batch. Causal
-    attention means the padding after a sequence cannot change its states."""
+    """Context and last hidden states per sequence from one right-padded batch, on the CPU
+    wherever the target runs (like features read from disk). Causal attention means the
+    padding after a sequence cannot change its states."""
     longest = max(len(s) for s in sequences)
     batch = torch.zeros(len(sequences), longest, dtype=torch.long)
     for row, ids in enumerate(sequences):
         batch[row, : len(ids)] = torch.tensor(ids)
-    context, last = capture_target_states(model, batch, layer_ids)
+    context, last = capture_target_states(model, batch.to(model.device), layer_ids)
+    context, last = context.cpu(), last.cpu()
     return [(context[row, : len(ids)], last[row, : len(ids)]) for row, ids in enumerate(sequences)]
 
 
@@ -307,10 +311,17 @@ class FeatureStore:
 
 class OnTheFlyFeatures:
     """Runs the target for each requested sequence instead of reading a cache: no disk,
-    but every epoch pays the target forward again. Only token ids stay in memory."""
+    but every epoch pays the target forward again (on `device`, the one training uses).
+    Only token ids stay in memory."""
 
     def __init__(
-        self, target_dir: Path, data: Path, layer_ids: list[int], max_seq_len: int, heldout_frac: float = 0.0
+        self,
+        target_dir: Path,
+        data: Path,
+        layer_ids: list[int],
+        max_seq_len: int,
+        heldout_frac: float = 0.0,
+        device: torch.device = torch.device("cpu"),
     ) -> None:
         self.layer_ids = list(layer_ids)
         self.fingerprint = target_fingerprint(target_dir)
@@ -321,7 +332,7 @@ class OnTheFlyFeatures:
                 self.records.append((torch.tensor(record.input_ids, dtype=torch.int32), record.response_start))
         if not self.records:
             raise FeatureError(f"no usable records in {data}")
-        self.model = load_target(target_dir)
+        self.model = load_target(target_dir, device)
 
     def __len__(self) -> int:
         return len(self.records)

@@ -39,10 +39,15 @@ def acceptance_label(tv_l1: torch.Tensor) -> torch.Tensor:
     return (1.0 - 0.5 * tv_l1).detach().clamp(0.0, 1.0)
 
 
-def weighted_mean(values: torch.Tensor, pos_weights: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
-    """Mean of values [N, K] under position weights [K] and block weights [N] (0 = padding)."""
-    weights = row_weights.unsqueeze(-1) * pos_weights
-    return (values * weights).sum() / weights.sum().clamp_min(1e-12)
+def supervision_weights(row_weights: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[N, K] weight of each supervised position: block weight [N] (0 = padding) times w_k.
+    Their sum is the denominator of every loss term."""
+    return row_weights.unsqueeze(-1) * position_weights(block_size, row_weights.device)
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """sum(values * weights) / denominator, for values and weights [N, K]."""
+    return (values * weights).sum() / denominator.clamp_min(1e-12)
 
 
 def dspark_losses(
@@ -52,28 +57,34 @@ def dspark_losses(
     conf_logits: torch.Tensor | None,
     row_weights: torch.Tensor,
     weights: LossWeights = LossWeights(),
+    denominator: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The three losses and their weighted total.
 
     logits: draft logits [N, K, V]; target_probs: p_t [N, K, V]; targets: ground-truth next
     tokens [N, K]; conf_logits: raw confidence logits [N, K] (None without a confidence
-    head); row_weights: [N]. Returns scalars "ce", "tv", "conf", "total" and the per-block
-    acceptance label "accept" [N, K] (detached; for logging and calibration).
+    head); row_weights: [N]; denominator: what the weighted sums are divided by, by default
+    this batch's total supervision weight (a mean over its positions); data-parallel
+    training passes a global one (`distributed.data_parallel_denominator`). Returns scalars
+    "ce", "tv", "conf", "total" and the per-block acceptance label "accept" [N, K]
+    (detached; for logging and calibration).
     """
-    pos_w = position_weights(logits.shape[1], logits.device)
+    sup_w = supervision_weights(row_weights, logits.shape[1])
+    if denominator is None:
+        denominator = sup_w.sum()
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     ce = -log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     tv = total_variation_l1(log_probs.exp(), target_probs)
     accept = acceptance_label(tv)
     losses = {
-        "ce": weighted_mean(ce, pos_w, row_weights),
-        "tv": weighted_mean(tv, pos_w, row_weights),
+        "ce": weighted_mean(ce, sup_w, denominator),
+        "tv": weighted_mean(tv, sup_w, denominator),
     }
     if conf_logits is not None:
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), accept, reduction="none")
-        losses["conf"] = weighted_mean(bce, pos_w, row_weights)
+        losses["conf"] = weighted_mean(bce, sup_w, denominator)
     else:
-        losses["conf"] = logits.new_zeros(())
+        losses["conf"] = torch.zeros((), device=logits.device)  # fp32 like the others, also under autocast
     losses["total"] = weights.ce * losses["ce"] + weights.tv * losses["tv"] + weights.conf * losses["conf"]
     losses["accept"] = accept
     return losses

@@ -6,12 +6,17 @@ sequential heads and minimises 0.1 CE + 0.9 TV + 1.0 confidence BCE (losses.py) 
 linear warm-up, cosine decay and grad-norm clipping. The target is frozen and so are the
 drafter's embedding and LM head (shared with the target).
 
-Data-parallel: under `torchrun` (gloo on CPU) every rank reads a different shard of the
-sequences and DistributedDataParallel averages the gradients, so all replicas stay equal
-(checked at every checkpoint through a weight digest).
+Device (distributed.py): `--device auto` trains on the GPUs when every rank has one (bf16
+autocast, NCCL between ranks), else on the CPU in fp32 (gloo between ranks).
+
+Data-parallel: under `torchrun` every rank reads a different shard of the sequences and
+DistributedDataParallel averages the gradients, so all replicas stay equal (checked at
+every checkpoint through a weight digest). Each loss is divided by the supervision weight
+of all ranks together, so the step is that of one process holding every rank's batch.
 
 Determinism: the sequences and anchors of step s depend only on (seed, rank, s), so a run
-resumed from a checkpoint continues exactly as the uninterrupted run would have.
+resumed from a checkpoint on the same device continues exactly as the uninterrupted run
+would have.
 """
 
 from __future__ import annotations
@@ -37,8 +42,15 @@ from tqdm import tqdm
 from vllm_dspark.cli import positive_int
 from vllm_dspark.config import ConfigError
 from vllm_dspark.model.drafter import DSparkDrafter
-from vllm_dspark.model.init_drafter import drafter_config_for_target, init_weights
+from vllm_dspark.model.init_drafter import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MARKOV_RANK,
+    DEFAULT_NUM_LAYERS,
+    drafter_config_for_target,
+    init_weights,
+)
 from vllm_dspark.training.blocks import DrafterLoss, pack_batch, usable_sequences
+from vllm_dspark.training.distributed import DEVICES, DeviceError, autocast, init_distributed, select_device
 from vllm_dspark.training.features import (
     FeatureError,
     FeatureSource,
@@ -54,6 +66,8 @@ CHECKPOINT_DIR = "checkpoint"
 TRAINER_STATE = "trainer_state.pt"
 LOG_FILE = "train_log.jsonl"
 LOGGED = ("total", "ce", "tv", "conf")
+# Options that build a new drafter; unset ones take init_drafter's defaults.
+DRAFTER_OPTIONS = ("num_layers", "block_size", "markov_rank", "markov_head_type")
 
 
 @dataclass(frozen=True)
@@ -110,26 +124,16 @@ class EpochSampler:
 
 
 # ------------------------------------------------------------------ set-up helpers
-def distributed_context() -> tuple[int, int]:
-    """(rank, world size); starts the gloo process group under torchrun."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return (dist.get_rank(), world) if world > 1 else (0, 1)
+def given_drafter_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The drafter options given on the command line."""
+    return {name: getattr(args, name) for name in DRAFTER_OPTIONS if getattr(args, name) is not None}
 
 
 def build_drafter(args: argparse.Namespace, layer_ids: list[int] | None) -> DSparkDrafter:
     """From --init (a drafter directory) or from the drafter options, seeded."""
     if args.init is not None:
         return DSparkDrafter.from_pretrained(args.init, args.target)
-    config = drafter_config_for_target(
-        args.target,
-        num_layers=args.num_layers or 2,
-        block_size=args.block_size or 7,
-        markov_rank=64 if args.markov_rank is None else args.markov_rank,
-        markov_head_type=args.markov_head_type or "vanilla",
-        target_layer_ids=layer_ids,
-    )
+    config = drafter_config_for_target(args.target, target_layer_ids=layer_ids, **given_drafter_options(args))
     drafter = DSparkDrafter(config)
     init_weights(drafter, args.seed)
     drafter.load_shared_from_target(args.target)
@@ -140,7 +144,7 @@ def weights_digest(drafter: DSparkDrafter) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(drafter.trainable_state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -166,7 +170,8 @@ def load_checkpoint(out: Path, target: Path, settings: RunSettings) -> tuple[DSp
     ckpt = out / CHECKPOINT_DIR
     if not (ckpt / TRAINER_STATE).is_file():
         raise FeatureError(f"--resume: no checkpoint in {ckpt}")
-    state = torch.load(ckpt / TRAINER_STATE, weights_only=True)
+    # On the CPU: the optimizer moves its state to wherever the parameters are.
+    state = torch.load(ckpt / TRAINER_STATE, weights_only=True, map_location="cpu")
     changed = {k: (v, getattr(settings, k)) for k, v in state["settings"].items() if getattr(settings, k) != v}
     if changed:
         raise FeatureError(f"--resume with different settings (checkpoint, now): {changed}")
@@ -175,7 +180,8 @@ def load_checkpoint(out: Path, target: Path, settings: RunSettings) -> tuple[DSp
 
 # ------------------------------------------------------------------ the loop
 def train(args: argparse.Namespace) -> dict[str, Any]:
-    rank, world = distributed_context()
+    device = select_device(args.device)
+    rank, world = init_distributed(device)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     settings = RunSettings(
@@ -193,10 +199,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         start_step = state["step"]
     else:
         drafter = build_drafter(args, store.layer_ids if store is not None else None)
+    drafter.to(device)
     config = drafter.config
     config.num_anchors = args.anchors_per_seq  # recorded in config.json (training only)
     source: FeatureSource = store or OnTheFlyFeatures(
-        args.target, args.data, config.target_layer_ids, args.max_seq_len, args.heldout_frac
+        args.target, args.data, config.target_layer_ids, args.max_seq_len, args.heldout_frac, device
     )
     check_source_fits(source, config, args.target, str(args.features or args.data))
 
@@ -209,7 +216,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     sampler = EpochSampler(shard, args.batch_seqs, args.seed, rank)
 
     model = DrafterLoss(drafter)
-    wrapped = DistributedDataParallel(model) if world > 1 else model
+    device_ids = [device.index] if device.type == "cuda" else None
+    wrapped = DistributedDataParallel(model, device_ids=device_ids) if world > 1 else model
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     if state is not None:
@@ -220,8 +228,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         num_params = sum(p.numel() for p in params)
         logger.info(
-            "training %s: %d trainable parameters, %d usable sequences (%d on this rank), world %d, steps %d..%d",
-            config.architectures[0], num_params, len(usable), len(shard), world, start_step, args.steps,
+            "training %s on %s: %d trainable parameters, %d usable sequences (%d on this rank), world %d, steps %d..%d",
+            config.architectures[0], device.type, num_params, len(usable), len(shard), world, start_step, args.steps,
         )
     if is_main and start_step:
         truncate_log(out / LOG_FILE, start_step)
@@ -233,10 +241,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         generator = step_generator(args.seed, rank, step)
         batch = pack_batch([source.get(i) for i in sampler.batch_at(step)], args.anchors_per_seq, config.block_size, generator)
+        batch = batch.to(device)
         lr = lr_at(step, settings)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        losses = wrapped(batch)
+        with autocast(device):
+            losses = wrapped(batch)
         optimizer.zero_grad(set_to_none=True)
         losses["total"].backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
@@ -270,6 +280,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         save_final(drafter, out, args.save_dtype)
         log_file.close()
     summary = {
+        "device": device.type,
         "steps": args.steps,
         "resumed_from": start_step,
         "anchors": total_anchors,
@@ -285,13 +296,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def step_stats(num_blocks: int, losses: dict[str, torch.Tensor], world: int) -> tuple[int, dict[str, float]]:
-    """Blocks of this step over all ranks and the loss terms averaged over ranks."""
-    values = torch.stack([torch.tensor(float(num_blocks))] + [losses[k].detach() for k in LOGGED]
-                         + [losses["accept"].mean()])
+    """Blocks of this step over all ranks, the loss terms averaged over ranks (each rank's
+    is its share of the global mean, see `data_parallel_denominator`, so this average is
+    that mean) and the mean acceptance label over all ranks' positions."""
+    accept = losses["accept"].detach().float()
+    values = torch.stack([accept.new_tensor(float(num_blocks)), accept.sum(), accept.new_tensor(float(accept.numel())),
+                          *(losses[k].detach().float() for k in LOGGED)])
     if world > 1:
         dist.all_reduce(values)
-        values[1:] /= world
-    return int(values[0]), dict(zip((*LOGGED, "accept"), values[1:].tolist()))
+    blocks, accept_sum, positions, *terms = values.tolist()
+    return int(blocks), {**{k: v / world for k, v in zip(LOGGED, terms)}, "accept": accept_sum / positions}
 
 
 def truncate_log(path: Path, step: int) -> None:
@@ -319,13 +333,12 @@ def check_replicas_equal(drafter: DSparkDrafter, rank: int, world: int) -> None:
 # ------------------------------------------------------------------ CLI
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    drafter_options = [args.num_layers, args.block_size, args.markov_rank, args.markov_head_type]
-    if args.init is not None and any(o is not None for o in drafter_options):
+    if args.init is not None and given_drafter_options(args):
         print("train: give either --init or drafter options (--num-layers ...), not both", file=sys.stderr)
         return 2
     try:
         summary = train(args)
-    except (FeatureError, ConfigError, OSError) as exc:
+    except (FeatureError, ConfigError, DeviceError, OSError) as exc:
         print(f"train: {exc}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) == 0:
@@ -344,9 +357,12 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                         help="with --data: leave out the records extract-features puts in a held-out split")
     parser.add_argument("--out", type=Path, required=True, help="output drafter directory (+ checkpoint/)")
     parser.add_argument("--init", type=Path, default=None, help="start from this drafter directory")
-    parser.add_argument("--num-layers", type=positive_int, default=None, help="new drafter (default 2)")
-    parser.add_argument("--block-size", type=positive_int, default=None, help="new drafter (default 7)")
-    parser.add_argument("--markov-rank", type=int, default=None, help="new drafter (default 64; 0 = DFlash)")
+    parser.add_argument("--num-layers", type=positive_int, default=None,
+                        help=f"new drafter (default {DEFAULT_NUM_LAYERS})")
+    parser.add_argument("--block-size", type=positive_int, default=None,
+                        help=f"new drafter (default {DEFAULT_BLOCK_SIZE})")
+    parser.add_argument("--markov-rank", type=int, default=None,
+                        help=f"new drafter (default {DEFAULT_MARKOV_RANK}; 0 = DFlash)")
     parser.add_argument("--markov-head-type", choices=["vanilla", "gated", "rnn"], default=None)
     parser.add_argument("--steps", type=positive_int, required=True)
     parser.add_argument("--lr", type=float, default=6e-4)
@@ -357,6 +373,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-seqs", type=positive_int, default=4, help="sequences per step and rank")
     parser.add_argument("--anchors-per-seq", type=positive_int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="auto (default): cuda when every rank on this node has a GPU of its own, "
+                        "else cpu; cuda trains under bf16 autocast with NCCL between ranks, cpu in fp32 with gloo")
     parser.add_argument("--save-every", type=int, default=100, help="checkpoint period in steps (0: end only)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     parser.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",

@@ -1,0 +1,225 @@
+"""The verification controller: every per-step decision of the plugin, without vLLM.
+
+Built once from the validated plugin options, it owns all state that lives across steps
+(the policy object, live recalibration per sampling mode, the learned step overhead and
+the verifications waiting for their outcome) and is driven through a small loop:
+
+    step_started(now)          time since the previous step -> step-overhead estimate
+    decide(StepInputs)         confidences of the drafting requests -> VerifyDecision
+    step_scheduled(...)        what the engine really scheduled (it may cut drafts further)
+    observe(emitted)           tokens each request emitted -> acceptance, recalibration
+
+The engine's scheduler (`integration/scheduler.py`) gathers the inputs from vLLM and
+applies the lengths; the simulator (`benchmarks/simulate_scheduling.py`) drives the very
+same class over recorded draft rounds.
+
+Exactness: the lengths of a step depend on that step's confidences through the policy
+(non-anticipating, DSPARK.md section 4) and on state learned from earlier steps only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_dspark.config import PluginOptions
+from vllm_dspark.scheduling.overhead import StepOverheadEstimator, offset_for
+from vllm_dspark.scheduling.policies import (
+    Admission,
+    FixedPolicy,
+    PolicyStep,
+    VerifyPolicy,
+    admit_top_budget,
+    decide_lengths,
+    policy_from_options,
+)
+from vllm_dspark.scheduling.ranking import SpsFunction
+from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
+from vllm_dspark.scheduling.sps import SpsCurve
+from vllm_dspark.scheduling.stats import DSparkStats
+
+logger = logging.getLogger(__name__)
+
+# Live recalibration learns greedy and sampled requests apart: a greedy request accepts a
+# draft only if it is the target's argmax, a sampled one with probability min(1, p/q).
+SAMPLING_MODES = ("greedy", "sampled")
+# Verifications in flight at once (one per scheduled step; several under pipelining).
+MAX_IN_FLIGHT = 16
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The drafting requests of one step, as the engine (or the simulator) sees them."""
+
+    req_ids: tuple[str, ...]
+    confidences: np.ndarray  # [R, K] conditional confidences as drafted, 0 where no draft
+    proposed: np.ndarray  # [R] drafts available per request
+    greedy: np.ndarray  # [R] bool: the request samples greedily
+    base_tokens: int = 0  # prefill tokens of other requests in the same pass
+    min_tokens_per_s: np.ndarray | None = None  # [R] per-request speed floors (sla)
+    missing: int = 0  # requests whose drafts came without confidences (rows of zeros)
+
+
+@dataclass(frozen=True)
+class VerifyDecision:
+    """What the policy decided in one step."""
+
+    req_ids: tuple[str, ...]
+    proposed: np.ndarray  # [R]
+    verified: np.ndarray  # [R] drafts kept for verification
+    confidences: np.ndarray  # [R, K] the confidences the policy used (after recalibration)
+    base_tokens: int
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A scheduled step's verifications, kept until its output shows what was accepted."""
+
+    req_ids: tuple[str, ...]
+    raw_confidences: np.ndarray  # [R, K] as drafted (after the invalid-value fallback)
+    greedy: np.ndarray  # [R]
+    verified: np.ndarray  # [R] as scheduled
+    predicted: np.ndarray  # [R] expected accepted drafts (sum of calibrated survival)
+
+
+def _flat_curve(batch_tokens: np.ndarray) -> np.ndarray:
+    """Stand-in SPS for policies that ignore the curve (fixed, threshold)."""
+    return np.ones_like(np.asarray(batch_tokens, dtype=np.float64))
+
+
+class VerificationController:
+    def __init__(
+        self,
+        options: PluginOptions,
+        curve: SpsCurve | None,
+        *,
+        can_time_steps: bool = True,
+        admission: Admission = admit_top_budget,
+    ) -> None:
+        """`curve` is the resolved SPS profile (None if there is none); `can_time_steps`
+        is False where the time between steps is not one step (pipeline parallelism)."""
+        self.options = options
+        self.curve = curve
+        self.policy: VerifyPolicy = policy_from_options(options, admission)
+        if self.policy.needs_curve and curve is None:
+            logger.warning(
+                "vllm_dspark: policy '%s' needs an SPS profile and none was found; verifying with "
+                "'fixed' (all drafts) until one exists", options.policy,
+            )
+            self.policy = FixedPolicy(options.k)
+        # The curve the policies use: the profile plus the learned per-step offset.
+        self.policy_curve: SpsFunction = curve if curve is not None else _flat_curve
+        self.step_overhead = StepOverheadEstimator()
+        self.learns_step_overhead = options.measure_step_overhead and can_time_steps and curve is not None
+        self.recalibrators = (
+            {mode: OnlineRecalibrator(learning_rate=options.recalibration_rate) for mode in SAMPLING_MODES}
+            if options.recalibrate
+            else {}
+        )
+        self.stats = DSparkStats(policy=self.policy.name)
+        self._applied_offset = 0.0
+        self._previous_step: tuple[float, int] | None = None  # (start time, tokens in the pass)
+        self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray] | None = None
+        self._pending: deque[_Pending | None] = deque(maxlen=MAX_IN_FLIGHT)
+
+    # ------------------------------------------------------------ the step
+    def step_started(self, now: float) -> None:
+        """Time since the previous step started = that step's wall time (the schedule ->
+        execute -> update loop); compare it with the profile at that pass size."""
+        if self._previous_step is None or not self.learns_step_overhead:
+            return
+        assert self.curve is not None
+        started, tokens = self._previous_step
+        if not self.step_overhead.observe(now - started, self.curve.step_time(tokens)):
+            return
+        offset = offset_for(self.curve, self.step_overhead.seconds)
+        self.stats.step_overhead_ms = 1000.0 * offset
+        if abs(offset - self._applied_offset) > max(0.05 * abs(self._applied_offset), 1e-4):  # 5% / 0.1 ms
+            self.policy_curve = self.curve.with_step_overhead(offset)
+            self._applied_offset = offset
+
+    def decide(self, step: StepInputs) -> VerifyDecision:
+        """Verification lengths of the drafting requests of this step."""
+        self.stats.missing_confidences += step.missing
+        raw = self._valid_confidences(step.confidences)
+        confidences = self._recalibrated(raw, step.greedy)
+        policy_step = PolicyStep(confidences, self.policy_curve, step.base_tokens, step.min_tokens_per_s)
+        verified = np.minimum(decide_lengths(self.policy, policy_step), step.proposed)
+        decision = VerifyDecision(step.req_ids, step.proposed, verified, confidences, step.base_tokens)
+        self._decision = (decision, raw, step.greedy)
+        return decision
+
+    def step_scheduled(self, started: float, total_tokens: int, scheduled_drafts: dict[str, int] | None = None) -> None:
+        """Close the step: `scheduled_drafts` (request -> drafts the engine scheduled; None =
+        as decided) replaces the planned lengths, since the engine may cut drafts further
+        (token budget, model length) and an unscheduled draft was never judged."""
+        pending = None
+        if self._decision is not None:
+            decision, raw, greedy = self._decision
+            verified = decision.verified
+            if scheduled_drafts is not None:
+                verified = np.minimum(verified, [scheduled_drafts.get(r, 0) for r in decision.req_ids])
+            survival = np.cumprod(decision.confidences, axis=1)
+            predicted = np.where(np.arange(survival.shape[1]) < verified[:, None], survival, 0.0).sum(axis=1)
+            self.stats.record_decision(decision.proposed, verified)
+            pending = _Pending(decision.req_ids, raw, greedy, verified, predicted)
+            self._decision = None
+        self._pending.append(pending)
+        self._previous_step = (started, total_tokens) if total_tokens else None
+
+    def awaiting_outcome(self) -> tuple[str, ...]:
+        """Requests of the oldest scheduled step whose outcome `observe` takes next."""
+        return self._pending[0].req_ids if self._pending and self._pending[0] is not None else ()
+
+    def observe(self, emitted: np.ndarray | None) -> None:
+        """Outcome of the oldest scheduled step: tokens each request of `awaiting_outcome()`
+        emitted (-1 where it produced no output). The target emits the accepted drafts
+        plus one token of its own."""
+        pending = self._pending.popleft() if self._pending else None
+        if pending is None or emitted is None:
+            return
+        emitted = np.asarray(emitted)
+        verified = np.where(emitted < 0, 0, pending.verified)  # no output: nothing was judged
+        accepted = np.clip(emitted - 1, 0, verified)
+        self.stats.accepted += int(accepted.sum())
+        self.stats.predicted_accepted += float(pending.predicted[verified > 0].sum())
+        for mode, recalibrator in self.recalibrators.items():
+            rows = pending.greedy == (mode == "greedy")
+            if rows.any():
+                recalibrator.observe(pending.raw_confidences[rows], verified[rows], accepted[rows])
+
+    def engine_idle(self) -> None:
+        """No request left: the gap until the next one is not a step."""
+        self._previous_step = None
+
+    # --------------------------------------------------------------- helpers
+    def _valid_confidences(self, confidences: np.ndarray) -> np.ndarray:
+        """NaN or out-of-range confidences are replaced by 0 (documented safe fallback:
+        such a draft is not verified), counted and logged."""
+        matrix = np.asarray(confidences, dtype=np.float64)
+        bad = ~np.isfinite(matrix) | (matrix < 0) | (matrix > 1)
+        if bad.any():
+            count = int(bad.sum())
+            self.stats.invalid_confidences += count
+            logger.warning("vllm_dspark: %d invalid confidences (NaN/out of range) treated as 0", count)
+            matrix = np.where(bad, 0.0, matrix)
+        return matrix
+
+    def _recalibrated(self, raw: np.ndarray, greedy: np.ndarray) -> np.ndarray:
+        confidences = raw.copy()
+        for mode, recalibrator in self.recalibrators.items():
+            rows = greedy == (mode == "greedy")
+            if rows.any():
+                confidences[rows] = recalibrator.apply(raw[rows])
+        return confidences
+
+    def refresh_gauges(self) -> None:
+        """Copy the recalibration parameters into the stats (done when they are published,
+        not every step)."""
+        for mode, recalibrator in self.recalibrators.items():
+            if recalibrator.judged.any():
+                self.stats.confidence_slopes[mode] = recalibrator.slopes.round(4).tolist()
+                self.stats.confidence_shifts[mode] = recalibrator.shifts.round(4).tolist()

@@ -1,0 +1,79 @@
+"""What the verification controller did, cumulative since engine start.
+
+vLLM-free: the controller fills it, the engine's stats path carries it to the API server
+(`integration/metrics.py` turns it into Prometheus metrics) and the log line prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class DSparkStats:
+    """Cumulative counters since engine start."""
+
+    policy: str = ""
+    steps: int = 0
+    proposed: int = 0  # draft tokens the drafter proposed
+    verified: int = 0  # draft tokens the policy sent to verification
+    accepted: int = 0  # verified draft tokens the target accepted
+    predicted_accepted: float = 0.0  # sum of prefix survival a_k over verified tokens
+    verified_requests: int = 0  # (request, step) pairs that verified >= 0 drafts
+    missing_confidences: int = 0
+    invalid_confidences: int = 0
+    step_overhead_ms: float = 0.0  # learned per-step time beyond the SPS profile (drafting)
+    # Live recalibration per sampling mode ("greedy", "sampled") and block position:
+    # c' = sigmoid(slope * logit(c) + shift).
+    confidence_slopes: dict[str, list[float]] = field(default_factory=dict)
+    confidence_shifts: dict[str, list[float]] = field(default_factory=dict)
+    # verified_length_counts[l] = number of (request, step) pairs that verified l drafts
+    verified_length_counts: list[int] = field(default_factory=list)
+
+    @property
+    def pruned(self) -> int:
+        return self.proposed - self.verified
+
+    @property
+    def calibration_error(self) -> float:
+        """Mean over verified drafts of predicted survival minus observed acceptance
+        (0 = calibrated, > 0 = over-confident)."""
+        return (self.predicted_accepted - self.accepted) / max(1, self.verified)
+
+    def record_decision(self, proposed: np.ndarray, verified: np.ndarray) -> None:
+        self.steps += 1
+        self.proposed += int(proposed.sum())
+        self.verified += int(verified.sum())
+        self.verified_requests += len(verified)
+        width = int(proposed.max(initial=0)) + 1
+        if len(self.verified_length_counts) < width:
+            self.verified_length_counts += [0] * (width - len(self.verified_length_counts))
+        for length in verified:
+            self.verified_length_counts[int(length)] += 1
+
+    def summary(self) -> str:
+        return (
+            f"policy {self.policy}: {self.steps} steps, drafts proposed {self.proposed}, "
+            f"verified {self.verified}, pruned {self.pruned} "
+            f"({100.0 * self.pruned / max(1, self.proposed):.1f}%), accepted {self.accepted} "
+            f"(predicted {self.predicted_accepted:.1f}, calibration error "
+            f"{self.calibration_error:+.3f} per verified draft), mean verification budget "
+            f"{self.verified / max(1, self.verified_requests):.2f} tokens/request, step overhead "
+            f"beyond the SPS profile {self.step_overhead_ms:.1f} ms"
+            + "".join(
+                f", {mode} confidence recalibration: slopes {[round(x, 2) for x in self.confidence_slopes[mode]]} "
+                f"shifts {[round(x, 2) for x in shifts]}"
+                for mode, shifts in self.confidence_shifts.items()
+            )
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, for vLLM's stats messages from the engine core to the API server."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DSparkStats:
+        return cls(**data)
