@@ -26,7 +26,7 @@ def first_proposal_in_vllm(target: Path, drafter: Path, k: int) -> tuple[int, to
 
     def spy(hidden_states, sampling_metadata):
         tokens, probs = original(hidden_states, sampling_metadata)
-        confidences = torch.tensor(proposer._confidences)
+        confidences = proposer._confidences.clone()
         seen.append((proposer._anchors.clone(), tokens.clone(), confidences))
         return tokens, probs
 
