@@ -53,8 +53,7 @@ def configurations(drafter: str, k: int, sps_table: list) -> dict[str, dict]:
         "fixed-k1 (MTP-1-like)": dspark(policy="fixed", k=1),
         f"fixed-k{k}": dspark(policy="fixed"),
         "dspark": dspark(policy="dspark", sps_table=sps_table),
-        "dspark, profile only": dspark(policy="dspark", sps_table=sps_table, measure_step_overhead=False),
-        "dspark, raw confidences": dspark(policy="dspark", sps_table=sps_table, recalibrate=False),
+        "dspark, drafting all K": dspark(policy="dspark", sps_table=sps_table, adaptive_drafting=False),
         "dspark_async": dspark(policy="dspark_async", sps_table=sps_table),
     }
 
@@ -78,6 +77,7 @@ def run_configuration(target: str, settings: dict, concurrency: list[int], max_t
     rows = []
     for r in concurrency:
         before = spec_counters(llm)
+        plugin_before = plugin_stats(llm)
         waves = []
         for _ in range(repeats):  # the median wave: a shared machine has slow moments
             start = time.perf_counter()
@@ -85,6 +85,7 @@ def run_configuration(target: str, settings: dict, concurrency: list[int], max_t
             waves.append(time.perf_counter() - start)
         wave = statistics.median(waves)
         after = spec_counters(llm)
+        plugin = plugin_stats(llm)
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
         accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
@@ -97,10 +98,38 @@ def run_configuration(target: str, settings: dict, concurrency: list[int], max_t
                 "per_user_tok_s": max_tokens / wave,
                 "verified_drafts_per_step": verified / drafts if drafts else 0.0,
                 "accepted_length": 1.0 + accepted / drafts if drafts else 1.0,
+                "wave_spread_seconds": [min(waves), max(waves)],
+                **plugin_delta(plugin_before, plugin),
             }
         )
         print(f"  R={r:3d}: {tokens / wave:7.1f} tok/s total, {max_tokens / wave:6.2f} tok/s per user", flush=True)
     return rows
+
+
+def plugin_stats(llm) -> dict | None:
+    """The plugin's cumulative stats of an in-process engine (None without the plugin)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    controller = getattr(scheduler, "controller", None)
+    if controller is None:
+        return None
+    stats = controller.stats
+    return {"steps": sum(stats.draft_depth_counts), "depths": list(stats.draft_depth_counts),
+            "lm_head_rows": stats.lm_head_rows, "drafting_seconds": stats.drafting_seconds}
+
+
+def plugin_delta(before: dict | None, after: dict | None) -> dict:
+    """Drafting in one concurrency's waves: share of steps that drafted nothing, mean
+    depth, LM-head rows and drafting milliseconds per step."""
+    if before is None or after is None:
+        return {}
+    steps = max(1, after["steps"] - before["steps"])
+    depths = [a - (before["depths"][d] if d < len(before["depths"]) else 0) for d, a in enumerate(after["depths"])]
+    return {
+        "steps_without_drafting": depths[0] / steps if depths else 0.0,
+        "mean_draft_depth": sum(d * n for d, n in enumerate(depths)) / steps,
+        "lm_head_rows_per_step": (after["lm_head_rows"] - before["lm_head_rows"]) / steps,
+        "drafting_ms_per_step": 1000.0 * (after["drafting_seconds"] - before["drafting_seconds"]) / steps,
+    }
 
 
 def spec_counters(llm) -> dict[str, int]:
@@ -159,7 +188,7 @@ def main() -> int:
     parser.add_argument("--target", default=None, help="default: the converted SmolLM2 checkpoint")
     parser.add_argument("--drafter", default=str(REPO / "examples" / "drafters" / "smollm2-dspark-b7"))
     parser.add_argument("--k", type=int, default=7)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3, help="waves per concurrency; the median is reported")
     parser.add_argument("--only", nargs="+", default=None, help="run only these configurations")

@@ -180,6 +180,10 @@ class PluginOptions(BaseModel):
     # serving (online Platt scaling; see vllm_dspark/scheduling/recalibration.py).
     recalibrate: bool = True
     recalibration_rate: float = Field(default=0.05, gt=0.0, le=1.0)
+    # Let the adaptive policies (dspark, dspark_async) choose each step whether and how
+    # deep to draft, and let the drafter stop a request once no policy would verify more
+    # of it (scheduling/controller.py); false drafts all K positions every step.
+    adaptive_drafting: bool = True
     log_interval_s: float = Field(default=10.0, gt=0)
 
     @model_validator(mode="after")

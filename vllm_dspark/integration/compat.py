@@ -123,4 +123,32 @@ def dflash_proposer_base() -> type:
         def sample_block(self, hidden_states: Any, sampling_metadata: Any) -> Any:
             return DFlashProposer._sample_draft_tokens(self, hidden_states, sampling_metadata)
 
+        def store_context_only(
+            self,
+            target_token_ids: Any,
+            target_positions: Any,
+            target_hidden_states: Any,
+            next_token_ids: Any,
+            token_indices_to_sample: Any,
+            common_attn_metadata: Any,
+            num_rejected_tokens_gpu: Any = None,
+            **unused: Any,  # sampling metadata, multimodal inputs, slot mappings
+        ) -> None:
+            """A step that drafts nothing: only the first part of vLLM's `propose` (the
+            target's new hidden states become context K/V in the drafter's cache, so later
+            drafts still see the whole context), without the drafter's forward pass."""
+            self.num_speculative_tokens = 0
+            self._last_draft_probs = None
+            hidden = self.model.combine_hidden_states(target_hidden_states)
+            num_tokens, _, _ = self.set_inputs_first_pass(
+                target_token_ids=target_token_ids,
+                next_token_ids=next_token_ids,
+                target_positions=target_positions,
+                target_hidden_states=hidden,
+                token_indices_to_sample=token_indices_to_sample,
+                cad=common_attn_metadata,
+                num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+            )
+            self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
+
     return ParallelDrafterProposer

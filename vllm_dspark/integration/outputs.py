@@ -12,8 +12,23 @@ import numpy as np
 from vllm.v1.outputs import DraftTokenIds
 
 
+# Attribute of vLLM's SchedulerOutput carrying the drafting early-stop survival from the
+# scheduler to the worker (with the object in-process, by pickle to worker processes).
+MIN_SURVIVAL_FIELD = "vllm_dspark_min_survival"
+
+
+@dataclass
+class DraftReport:
+    """What one proposal cost: the scheduler learns drafting's price from it."""
+
+    depth: int  # draft positions asked for (0: the scheduler skipped drafting)
+    lm_head_rows: int = 0  # (request, position) rows whose logits were computed
+    seconds: float = 0.0
+
+
 @dataclass
 class DraftTokenIdsWithConfidence(DraftTokenIds):
     # [num_reqs, num_draft_tokens] calibrated conditional confidences c_k (float32), rows
     # aligned with `req_ids`; None when the drafter did not run this step.
     confidences: np.ndarray | None = None
+    report: DraftReport | None = None

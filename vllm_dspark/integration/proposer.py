@@ -11,6 +11,8 @@ method "dflash" and adds, for "vllm_dspark":
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 from vllm.config import VllmConfig
@@ -19,6 +21,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_dspark import METHOD
 from vllm_dspark.integration.compat import dflash_proposer_base
+from vllm_dspark.integration.outputs import DraftReport
 from vllm_dspark.kernels import dispatch
 from vllm_dspark.model.heads import DraftOutput, MarkovHead, draft_seeds, sequential_draft
 
@@ -32,10 +35,30 @@ class DSparkProposer(dflash_proposer_base()):
         self.is_dspark = vllm_config.speculative_config.method == METHOD
         super().__init__(vllm_config, device, runner)
         self._anchors: torch.Tensor | None = None
+        # Set by the runner before each proposal from the scheduler's plan: a request stops
+        # drafting once its prefix survival falls below it (0 = draft every position).
+        self.min_survival = 0.0
         # The last proposal's confidences on the host (filled without blocking) and the
         # event after which they are there (None on CPU, where the copy is synchronous).
         self._confidences: torch.Tensor | None = None
         self._confidences_ready: torch.cuda.Event | None = None
+        self._report: DraftReport | None = None
+        self._timer = DraftTimer(device)
+
+    def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor:
+        """vLLM's proposal, timed; with 0 tokens asked for (the scheduler decided not to
+        draft) only the context K/V is stored, without the drafter's forward pass."""
+        if not self.is_dspark:
+            return super().propose(num_speculative_tokens, *args, **kwargs)
+        self._timer.start()
+        self._report = DraftReport(depth=num_speculative_tokens)
+        if num_speculative_tokens == 0:
+            self.store_context_only(*args, **kwargs)
+            drafts = torch.empty(kwargs["common_attn_metadata"].batch_size(), 0, dtype=torch.int64, device=self.device)
+        else:
+            drafts = super().propose(num_speculative_tokens, *args, **kwargs)
+        self._timer.stop()
+        return drafts
 
     def set_inputs_first_pass(
         self,
@@ -71,7 +94,6 @@ class DSparkProposer(dflash_proposer_base()):
         k = self.num_speculative_tokens
         batch = hidden_states.shape[0] // k
         model = self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
-        base_logits = model.compute_logits(hidden_states).view(batch, k, -1)
         temperature = None
         if not sampling_metadata.all_greedy and sampling_metadata.temperature is not None:
             temps = sampling_metadata.temperature[:batch].float()
@@ -79,11 +101,17 @@ class DSparkProposer(dflash_proposer_base()):
         hidden = hidden_states.view(batch, k, -1)
         anchors = self._anchors[:batch]
         if fused_head_applies(model):
+            base_logits = model.compute_logits(hidden_states).view(batch, k, -1)
             out = fused_sequential_draft(model, base_logits, hidden, anchors, temperature)
         else:
+            # The LM head position by position, for the requests still drafting only.
             out = sequential_draft(
-                model.markov_head, model.confidence_head, model.confidence_temperatures, base_logits, hidden, anchors, temperature
+                model.markov_head, model.confidence_head, model.confidence_temperatures,
+                lambda rows, j: model.compute_logits(hidden[rows, j]), hidden, anchors, temperature,
+                min_survival=self.min_survival,
             )
+        assert self._report is not None
+        self._report.lm_head_rows = batch * k if out.lm_head_rows is None else out.lm_head_rows
         self._keep_confidences(out.confidences)
         probs = None if out.probs is None else out.probs.reshape(batch * k, -1)
         return out.tokens.reshape(-1), probs
@@ -108,6 +136,43 @@ class DSparkProposer(dflash_proposer_base()):
         if self._confidences_ready is not None:
             self._confidences_ready.synchronize()
         return confidences.numpy()
+
+    def take_report(self) -> DraftReport | None:
+        """What the last proposal cost (handed over once): depth asked for, LM-head rows
+        computed, seconds (on CUDA read from events once the drafts are on the host)."""
+        report, self._report = self._report, None
+        if report is not None:
+            report.seconds = self._timer.seconds()
+        return report
+
+
+class DraftTimer:
+    """Wall time of a proposal: perf_counter on CPU; CUDA events on a GPU, read only when
+    the drafts are handed over (the host must not wait for the GPU inside propose)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.on_cuda = torch.device(device).type == "cuda"
+        self._begin = self._end = 0.0
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def start(self) -> None:
+        if self.on_cuda:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._begin = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._end = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self._events is not None:
+            self._events[1].synchronize()
+            return self._events[0].elapsed_time(self._events[1]) / 1000.0
+        return self._end - self._begin
 
 
 def fused_head_applies(model) -> bool:

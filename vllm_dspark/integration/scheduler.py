@@ -24,6 +24,7 @@ from vllm.v1.request import Request
 from vllm_dspark.config import PluginOptions
 from vllm_dspark.integration import compat
 from vllm_dspark.integration.metrics import attach_stats
+from vllm_dspark.integration.outputs import MIN_SURVIVAL_FIELD
 from vllm_dspark.kernels import dispatch
 from vllm_dspark.scheduling.controller import StepInputs, VerificationController
 from vllm_dspark.scheduling.policies import Admission, admit_top_budget
@@ -45,6 +46,7 @@ class DSparkScheduler(Scheduler):
         self.controller = VerificationController(
             options,
             curve,
+            num_speculative_tokens=self.num_spec_tokens,
             # With pipeline parallelism the engine schedules the next batches before the
             # first finishes, so the time between schedule() calls is not a step.
             can_time_steps=self.vllm_config.max_concurrent_batches == 1,
@@ -84,6 +86,9 @@ class DSparkScheduler(Scheduler):
         if confidences is not None:
             rows = {req_id: row for row, req_id in enumerate(draft_token_ids.req_ids)}
             self._confidences = (rows, np.asarray(confidences))
+        report = getattr(draft_token_ids, "report", None)
+        if report is not None:
+            self.controller.observe_drafting(len(draft_token_ids.req_ids), report.depth, report.lm_head_rows, report.seconds)
 
     def add_request(self, request: Request) -> None:
         extra = request.sampling_params.extra_args if request.sampling_params else None
@@ -108,6 +113,10 @@ class DSparkScheduler(Scheduler):
         output = super().schedule(*args, **kwargs)
         scheduled = {req_id: len(ids) for req_id, ids in output.scheduled_spec_decode_tokens.items()}
         self.controller.step_scheduled(started, output.total_num_scheduled_tokens, scheduled)
+        # How the worker drafts after this step (vLLM's dynamic speculation field).
+        plan = self.controller.plan_drafting(len(output.num_scheduled_tokens))
+        output.num_spec_tokens_to_schedule = plan.depth
+        setattr(output, MIN_SURVIVAL_FIELD, plan.min_survival)
         return output
 
     def _step_inputs(self, drafting: list[Request]) -> StepInputs:

@@ -11,7 +11,9 @@ reads is in `compat.py`). Each patch is idempotent and applies in every vLLM pro
 3. `use_dflash()` / `use_eagle()` answer True for "vllm_dspark", which turns on
    hidden-state capture, the draft KV cache, lookahead slots and the proposer branch.
 4. The V1 runner's `DFlashProposer` name resolves to `DSparkProposer`.
-5. `GPUModelRunner.take_draft_token_ids` attaches the proposer's confidences.
+5. `GPUModelRunner.take_draft_token_ids` attaches the proposer's confidences and its
+   cost report; `GPUModelRunner.propose_draft_token_ids` hands the proposer the early-stop
+   survival the scheduler put on the scheduler output (`MIN_SURVIVAL_FIELD`).
 6. `EngineArgs.create_engine_config` installs the `DSparkScheduler` for this method,
    validates the plugin options at start-up and, if asked, profiles SPS(B) before the
    engine starts.
@@ -127,7 +129,7 @@ def _adapt_draft_config(spec_config) -> None:
 def _patch_model_runner() -> None:
     from vllm.v1.worker import gpu_model_runner
 
-    from vllm_dspark.integration.outputs import DraftTokenIdsWithConfidence
+    from vllm_dspark.integration.outputs import MIN_SURVIVAL_FIELD, DraftTokenIdsWithConfidence
     from vllm_dspark.integration.proposer import DSparkProposer
 
     gpu_model_runner.DFlashProposer = DSparkProposer
@@ -140,14 +142,26 @@ def _patch_model_runner() -> None:
         drafter = getattr(self, "drafter", None)
         if not isinstance(drafter, DSparkProposer) or not drafter.is_dspark:
             return drafts
-        confidences = drafter.take_confidences()
+        confidences, report = drafter.take_confidences(), drafter.take_report()
         if drafts is None:
             return None
         if confidences is not None:
             confidences = confidences[: len(drafts.req_ids)]
-        return DraftTokenIdsWithConfidence(drafts.req_ids, drafts.draft_token_ids, confidences)
+        return DraftTokenIdsWithConfidence(drafts.req_ids, drafts.draft_token_ids, confidences, report)
+
+    original_propose = runner_cls.propose_draft_token_ids
+
+    @functools.wraps(original_propose)
+    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, DSparkProposer):
+            # The scheduler's early-stop survival for this proposal (it travels on the
+            # scheduler output; 0, no early stop, where it did not arrive).
+            drafter.min_survival = getattr(scheduler_output, MIN_SURVIVAL_FIELD, 0.0)
+        return original_propose(self, scheduler_output, *args, **kwargs)
 
     runner_cls.take_draft_token_ids = take_draft_token_ids
+    runner_cls.propose_draft_token_ids = propose_draft_token_ids
 
 
 def _patch_engine_args() -> None:

@@ -7,6 +7,7 @@ with teacher forcing and the serving proposer all run the same code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -113,13 +114,22 @@ class DraftOutput:
 
     Each draft row is exactly the distribution its token was drawn from: softmax at the
     request's temperature for sampled rows, the point mass at the argmax for greedy ones,
-    which is what rejection sampling must be given.
+    which is what rejection sampling must be given. Positions past a request's `depths`
+    were not drafted (early stop): token 0 with a point-mass row and confidence 0, so no
+    policy verifies them, and verifying one anyway would still be exact.
     """
 
     tokens: torch.Tensor  # [N, K] int64
     token_probs: torch.Tensor  # [N, K] float32, draft probability of each token (1 when greedy)
     confidences: torch.Tensor  # [N, K] float32 calibrated conditional survival c_k (1 without a head)
     probs: torch.Tensor | None  # [N, K, V] float32 draft rows, when requested
+    depths: torch.Tensor | None = None  # [N] positions drafted per request (None: all K)
+    lm_head_rows: int | None = None  # (request, position) rows whose logits were computed
+
+
+# Base logits U_k: a precomputed [N, K, V] tensor, or a function (rows [n], position j) ->
+# [n, V] that computes only the rows still drafting (the LM head, position by position).
+BaseLogits = torch.Tensor | Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def draft_seeds(n: int, device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -134,72 +144,108 @@ def sequential_draft(
     markov_head: MarkovHead | None,
     confidence_head: ConfidenceHead | None,
     confidence_temperatures: torch.Tensor | None,
-    base_logits: torch.Tensor,
+    base_logits: BaseLogits,
     hidden: torch.Tensor,
     anchors: torch.Tensor,
     temperature: torch.Tensor | None = None,
     seeds: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     return_probs: bool | None = None,
+    min_survival: float = 0.0,
 ) -> DraftOutput:
     """The left-to-right loop after the backbone pass; the one implementation of the
     sequential stage: the PyTorch drafter, evaluation and the vLLM proposer run it, and it
     is the reference the fused kernel (kernels/sequential_head.py) is tested against.
 
-    base_logits: [N, K, V] backbone logits U_k; hidden: [N, K, d]; anchors: [N];
-    temperature: [N], a value <= 0 (or None for all) means greedy; confidence_temperatures:
-    [K] (None: uncalibrated). Sampled rows take Gumbel-max noise keyed by (seed, position,
-    token) from `kernels/rng.py`, the numbers the kernel draws, so both pick the same tokens
-    for the same `seeds` [N] int64; without seeds they come from `generator`. Draft rows
-    are returned when `return_probs`, by default exactly when some row samples. Computes in
-    float32 (float64 for float64 logits); outputs are float32.
+    base_logits: [N, K, V] backbone logits U_k or a function computing them for the rows
+    still drafting; hidden: [N, K, d]; anchors: [N]; temperature: [N], a value <= 0 (or
+    None for all) means greedy; confidence_temperatures: [K] (None: uncalibrated). Sampled
+    rows take Gumbel-max noise keyed by (seed, position, token) from `kernels/rng.py`, the
+    numbers the kernel draws, so both pick the same tokens for the same `seeds` [N] int64;
+    without seeds they come from `generator`. Draft rows are returned when `return_probs`,
+    by default exactly when some row samples. Computes in float32 (float64 for float64
+    logits); outputs are float32.
+
+    Early stop (`min_survival` > 0): at position k the confidence c_k is computed first (it
+    reads h_k and the token x_{k-1} only); a request whose prefix survival a_k falls below
+    `min_survival` stops drafting there and its logits at k and later are never computed.
+    The stop reads only earlier tokens, so it is non-anticipating like the policies'.
     """
-    n, k, vocab = base_logits.shape
-    device = base_logits.device
-    compute = torch.promote_types(base_logits.dtype, torch.float32)
+    n, k, _ = hidden.shape
+    device = hidden.device
+    logits_at = base_logits if callable(base_logits) else (lambda rows, j: base_logits[rows, j])
+    compute = torch.promote_types(hidden.dtype if callable(base_logits) else base_logits.dtype, torch.float32)
     sampled = torch.zeros(n, dtype=torch.bool, device=device) if temperature is None else temperature > 0
     any_sampled = bool(sampled.any())
     want_probs = any_sampled if return_probs is None else return_probs
+    keys = row_temps = None
     if any_sampled:
         assert temperature is not None
         keys = seed_key(draft_seeds(n, device, generator) if seeds is None else seeds.to(device))
-        vocab_ids = torch.arange(vocab, device=device)
         row_temps = torch.where(sampled, temperature, 1.0).to(compute)
+    early_stop = min_survival > 0.0
     state = markov_head.initial_state(n, hidden) if markov_head is not None else None
+    rows = torch.arange(n, device=device)  # requests still drafting
     prev = anchors.long()
-    ones = torch.ones(n, dtype=compute, device=device)
-    tokens, token_probs, confidences, probs = [], [], [], []
+    survival = torch.ones(n, dtype=compute, device=device)
+    tokens = torch.zeros(n, k, dtype=torch.int64, device=device)
+    token_probs = torch.ones(n, k, dtype=torch.float32, device=device)
+    confidences = torch.zeros(n, k, dtype=torch.float32, device=device)
+    depths = torch.zeros(n, dtype=torch.int64, device=device)
+    probs: torch.Tensor | None = None
+    lm_head_rows = 0
     for j in range(k):
-        logits = base_logits[:, j].to(compute)
-        feature = None
-        if markov_head is not None:
-            bias, feature, state = markov_head.step(prev, hidden[:, j], state)
-            logits = logits + bias.to(compute)
+        h = hidden[rows, j]
+        feature = markov_head.markov_w1(prev) if markov_head is not None else None
         if confidence_head is not None:
-            conf_logit = confidence_head.logit(hidden[:, j], feature).to(compute)
+            conf_logit = confidence_head.logit(h, feature).to(compute)
             t_conf = 1.0 if confidence_temperatures is None else confidence_temperatures[j].to(compute)
-            confidences.append(torch.sigmoid(conf_logit / t_conf))
+            conf = torch.sigmoid(conf_logit / t_conf)
         else:
-            confidences.append(ones)
+            conf = torch.ones(len(rows), dtype=compute, device=device)
+        if early_stop:
+            alive = survival[rows] * conf >= min_survival
+            if not bool(alive.all()):
+                rows, prev, conf, h = rows[alive], prev[alive], conf[alive], h[alive]
+                feature = None if feature is None else feature[alive]
+                state = None if state is None else state[alive]
+            if len(rows) == 0:
+                break
+            survival[rows] *= conf
+        confidences[rows, j] = conf.float()
+        logits = logits_at(rows, j).to(compute)
+        lm_head_rows += len(rows)
+        if markov_head is not None:
+            bias, _, state = markov_head.step(prev, h, state)
+            logits = logits + bias.to(compute)
         choice = logits.argmax(-1)
-        token_p = ones
         if any_sampled:
-            scaled = logits / row_temps[:, None]
-            noise = gumbel(step_key(keys, j), vocab_ids).to(compute)
-            choice = torch.where(sampled, (scaled + noise).argmax(-1), choice)
+            assert keys is not None and row_temps is not None
+            row_sampled = sampled[rows]
+            scaled = logits / row_temps[rows, None]
+            vocab_ids = torch.arange(logits.shape[-1], device=device)
+            noise = gumbel(step_key(keys[rows], j), vocab_ids).to(compute)
+            choice = torch.where(row_sampled, (scaled + noise).argmax(-1), choice)
             log_p = torch.log_softmax(scaled, dim=-1)
-            token_p = torch.where(sampled, log_p.gather(1, choice[:, None])[:, 0].exp(), ones)
+            token_probs[rows, j] = torch.where(row_sampled, log_p.gather(1, choice[:, None])[:, 0].exp(), 1.0).float()
         if want_probs:
-            point = torch.nn.functional.one_hot(choice, vocab).to(compute)
-            probs.append(torch.where(sampled[:, None], log_p.exp(), point) if any_sampled else point)
-        tokens.append(choice)
-        token_probs.append(token_p)
+            if probs is None:  # point masses at token 0 where nothing is drafted
+                probs = torch.zeros(n, k, logits.shape[-1], dtype=torch.float32, device=device)
+                probs[:, :, 0] = 1.0
+            row = torch.nn.functional.one_hot(choice, logits.shape[-1]).to(compute)
+            if any_sampled:
+                row = torch.where(row_sampled[:, None], log_p.exp(), row)
+            probs[rows, j] = row.float()
+        tokens[rows, j] = choice
+        depths[rows] += 1
         prev = choice
     return DraftOutput(
-        tokens=torch.stack(tokens, 1),
-        token_probs=torch.stack(token_probs, 1).float(),
-        confidences=torch.stack(confidences, 1).float(),
-        probs=torch.stack(probs, 1).float() if want_probs else None,
+        tokens=tokens,
+        token_probs=token_probs,
+        confidences=confidences,
+        probs=probs,
+        depths=depths,
+        lm_head_rows=lm_head_rows,
     )
 
 

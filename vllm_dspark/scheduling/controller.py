@@ -9,9 +9,20 @@ the verifications waiting for their outcome) and is driven through a small loop:
     step_scheduled(...)        what the engine really scheduled (it may cut drafts further)
     observe(emitted)           tokens each request emitted -> acceptance, recalibration
 
+    plan_drafting(R)           how deep the next step drafts (0: not at all) and where the
+                               drafter may stop a request early
+    observe_drafting(report)   what that drafting cost -> the drafting cost model
+
 The engine's scheduler (`integration/scheduler.py`) gathers the inputs from vLLM and
 applies the lengths; the simulator (`benchmarks/simulate_scheduling.py`) drives the very
 same class over recorded draft rounds.
+
+Whether and how deep to draft: for depth d = 0..K the controller predicts the next step's
+throughput R * (1 + a_1 + ... + a_d) / (T(R + R d) + overhead + D(R, d)), with a_j the
+recent mean calibrated prefix survival per position, T the profiled step, overhead the
+learned step time besides drafting, and D the drafting time, learned live by least squares
+on the drafter's own timings, and drafts the best d. While d = 0 wins it still drafts in
+one position every `PROBE_INTERVAL` steps, so the survival estimate stays fresh.
 
 Exactness: the lengths of a step depend on that step's confidences through the policy
 (non-anticipating, DSPARK.md section 4) and on state learned from earlier steps only.
@@ -48,6 +59,45 @@ logger = logging.getLogger(__name__)
 SAMPLING_MODES = ("greedy", "sampled")
 # Verifications in flight at once (one per scheduled step; several under pipelining).
 MAX_IN_FLIGHT = 16
+# While not drafting, draft one position once every this many steps to re-measure survival.
+PROBE_INTERVAL = 16
+# Weight of each drafted step in the per-position survival estimate.
+SURVIVAL_SMOOTHING = 0.2
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """How the next step drafts."""
+
+    depth: int  # draft positions per request (0: no drafting, only the drafter's context)
+    min_survival: float  # a request stops drafting once its prefix survival falls below this
+
+
+class DraftingCost:
+    """Drafting seconds per step ~ w . [R, R * depth, LM-head rows], fitted online by
+    recursive least squares with forgetting: the context pass costs per request, the
+    drafter's forward pass per query token, the LM head per computed row."""
+
+    def __init__(self, forgetting: float = 0.98, prior: float = 1e-4) -> None:
+        self.forgetting = forgetting
+        self.weights = np.zeros(3)
+        self.covariance = np.eye(3) * prior
+        self.samples = 0
+
+    @staticmethod
+    def features(num_requests: int, depth: int, rows: float) -> np.ndarray:
+        return np.array([num_requests, num_requests * depth, rows], dtype=np.float64)
+
+    def observe(self, num_requests: int, depth: int, rows: int, seconds: float) -> None:
+        x = self.features(num_requests, depth, rows)
+        px = self.covariance @ x
+        gain = px / (self.forgetting + x @ px)
+        self.weights += gain * (seconds - x @ self.weights)
+        self.covariance = (self.covariance - np.outer(gain, px)) / self.forgetting
+        self.samples += 1
+
+    def predict(self, num_requests: int, depth: int, rows: float) -> float:
+        return max(0.0, float(self.features(num_requests, depth, rows) @ self.weights))
 
 
 @dataclass(frozen=True)
@@ -96,13 +146,16 @@ class VerificationController:
         options: PluginOptions,
         curve: SpsCurve | None,
         *,
+        num_speculative_tokens: int = 0,
         can_time_steps: bool = True,
         admission: Admission = admit_top_budget,
     ) -> None:
         """`curve` is the resolved SPS profile (None if there is none); `can_time_steps`
-        is False where the time between steps is not one step (pipeline parallelism)."""
+        is False where the time between steps is not one step (pipeline parallelism);
+        `num_speculative_tokens` is K, the deepest draft (0: the caller plans no drafting)."""
         self.options = options
         self.curve = curve
+        self.block = num_speculative_tokens
         self.policy: VerifyPolicy = policy_from_options(options, admission)
         if self.policy.needs_curve and curve is None:
             logger.warning(
@@ -124,6 +177,12 @@ class VerificationController:
         self._previous_step: tuple[float, int] | None = None  # (start time, tokens in the pass)
         self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray] | None = None
         self._pending: deque[_Pending | None] = deque(maxlen=MAX_IN_FLIGHT)
+        # Drafting: its cost model, its recent measured time and the recent mean survival
+        # per position (None until a drafted step was seen).
+        self.drafting_cost = DraftingCost()
+        self.drafting_seconds = 0.0
+        self.mean_survival: np.ndarray | None = None
+        self._steps_without_drafts = 0
 
     # ------------------------------------------------------------ the step
     def step_started(self, now: float) -> None:
@@ -149,6 +208,7 @@ class VerificationController:
         policy_step = PolicyStep(confidences, self.policy_curve, step.base_tokens, step.min_tokens_per_s)
         verified = np.minimum(decide_lengths(self.policy, policy_step), step.proposed)
         decision = VerifyDecision(step.req_ids, step.proposed, verified, confidences, step.base_tokens)
+        self._track_survival(confidences)
         self._decision = (decision, raw, step.greedy)
         return decision
 
@@ -190,6 +250,55 @@ class VerificationController:
             rows = pending.greedy == (mode == "greedy")
             if rows.any():
                 recalibrator.observe(pending.raw_confidences[rows], verified[rows], accepted[rows])
+
+    # --------------------------------------------------------------- drafting
+    def plan_drafting(self, num_requests: int) -> DraftPlan:
+        """How deep the next step drafts for `num_requests` requests, from past steps only
+        (the drafts it plans do not exist yet, so this cannot anticipate them)."""
+        depth = self.policy.max_draft_depth(self.block)
+        if not self.options.adaptive_drafting:
+            self.stats.record_plan(depth)
+            return DraftPlan(depth, 0.0)
+        floor = self.policy.min_survival(self.policy_curve, num_requests, self.block)
+        if self.policy.adaptive_depth and self.curve is not None and self.mean_survival is not None and num_requests:
+            # A probe drafts one position: enough to see whether first drafts got better.
+            probe = self._steps_without_drafts >= PROBE_INTERVAL
+            depth = min(depth, 1) if probe else self._best_depth(num_requests, depth)
+        self._steps_without_drafts = self._steps_without_drafts + 1 if depth == 0 else 0
+        self.stats.record_plan(depth)
+        return DraftPlan(depth, floor if depth else 0.0)
+
+    def _best_depth(self, num_requests: int, max_depth: int) -> int:
+        """argmax over d of predicted tokens per second when drafting d positions."""
+        assert self.curve is not None and self.mean_survival is not None
+        depths = np.arange(max_depth + 1)
+        survival = self.mean_survival[:max_depth]
+        tokens = num_requests * (1.0 + np.r_[0.0, np.cumsum(survival)])
+        besides_drafting = self.step_overhead.seconds - self.drafting_seconds
+        drafting = np.array([self.drafting_cost.predict(num_requests, d, num_requests * d) for d in depths])
+        step = self.curve.step_time(num_requests * (1 + depths)) + besides_drafting + drafting
+        return int(np.argmax(tokens / np.maximum(step, 1e-9)))
+
+    def observe_drafting(self, num_requests: int, depth: int, lm_head_rows: int, seconds: float) -> None:
+        """What the last proposal cost (from the drafter's own timing)."""
+        if num_requests <= 0 or seconds <= 0.0:
+            return
+        self.drafting_cost.observe(num_requests, depth, lm_head_rows, seconds)
+        weight = 1.0 if self.drafting_cost.samples == 1 else self.step_overhead.smoothing
+        self.drafting_seconds += weight * (seconds - self.drafting_seconds)
+        self.stats.record_drafting(lm_head_rows, seconds)
+
+    def _track_survival(self, confidences: np.ndarray) -> None:
+        """Mean calibrated prefix survival per position of the requests drafting now."""
+        if not len(confidences) or not confidences.shape[1]:
+            return
+        drafted = confidences.shape[1]  # positions beyond keep their earlier estimate
+        survival = np.cumprod(confidences, axis=1).mean(axis=0)
+        if self.mean_survival is None:
+            self.mean_survival = np.zeros(max(self.block, drafted))
+            self.mean_survival[:drafted] = survival
+        else:
+            self.mean_survival[:drafted] += SURVIVAL_SMOOTHING * (survival - self.mean_survival[:drafted])
 
     def engine_idle(self) -> None:
         """No request left: the gap until the next one is not a step."""

@@ -48,6 +48,9 @@ class VerifyPolicy(ABC):
     serving_options: ClassVar[tuple[str, ...]] = ()  # PluginOptions fields the policy takes
     needs_curve: ClassVar[bool] = False  # prices drafts with the engine's SPS curve
     uses_request_floors: ClassVar[bool] = False  # reads PolicyStep.min_tokens_per_s
+    # Whether the controller may choose how deep to draft (0 = not at all) by expected
+    # throughput; a policy that verifies a fixed amount drafts exactly that much.
+    adaptive_depth: ClassVar[bool] = False
 
     @abstractmethod
     def lengths(self, step: PolicyStep) -> np.ndarray: ...
@@ -56,6 +59,15 @@ class VerifyPolicy(ABC):
     def from_options(cls, options: PluginOptions, admission: Admission) -> VerifyPolicy:
         """The policy as served with these validated plugin options."""
         return cls(**{field: getattr(options, field) for field in cls.serving_options})
+
+    def max_draft_depth(self, block: int) -> int:
+        """The most draft positions this policy can verify per request."""
+        return block
+
+    def min_survival(self, sps: SpsFunction, num_requests: int, block: int) -> float:
+        """A prefix survival below which this policy never verifies a slot, at this load:
+        the drafter may stop drafting a request there (0: draft every position)."""
+        return 0.0
 
 
 class FixedPolicy(VerifyPolicy):
@@ -69,10 +81,12 @@ class FixedPolicy(VerifyPolicy):
             raise ValueError(f"fixed policy needs k >= 0, got {k}")
         self.k = k
 
+    def max_draft_depth(self, block: int) -> int:
+        return block if self.k is None else min(int(self.k), block)
+
     def lengths(self, step: PolicyStep) -> np.ndarray:
         num_requests, block = step.confidences.shape
-        k = block if self.k is None else min(int(self.k), block)
-        return np.full(num_requests, k, dtype=np.int64)
+        return np.full(num_requests, self.max_draft_depth(block), dtype=np.int64)
 
 
 class ThresholdPolicy(VerifyPolicy):
@@ -86,6 +100,9 @@ class ThresholdPolicy(VerifyPolicy):
             raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
         self.threshold = threshold
 
+    def min_survival(self, sps: SpsFunction, num_requests: int, block: int) -> float:
+        return self.threshold
+
     def lengths(self, step: PolicyStep) -> np.ndarray:
         survival = np.cumprod(step.confidences, axis=1)
         return np.count_nonzero(survival >= self.threshold, axis=1).astype(np.int64)
@@ -97,6 +114,21 @@ class DSparkPolicy(VerifyPolicy):
 
     name = "dspark"
     needs_curve = True
+    adaptive_depth = True
+    # Share of the admission bound kept as the drafting early stop: the next step's load
+    # may differ from this one's, and stopping too early only costs accepted tokens.
+    EARLY_STOP_MARGIN = 0.5
+
+    def min_survival(self, sps: SpsFunction, num_requests: int, block: int) -> float:
+        """The scan admits candidate n only if a_n > tau(n-1) * (SPS(B-1) / SPS(B) - 1),
+        and tau >= R (every request's own token): below R times the smallest relative
+        step-cost increase over the pass sizes it can reach, no slot is ever verified."""
+        if num_requests == 0 or block == 0:
+            return 0.0
+        batch = np.arange(num_requests, num_requests * (block + 1) + 1, dtype=np.float64)
+        steps = np.asarray(sps(batch), dtype=np.float64)
+        increase = steps[:-1] / steps[1:] - 1.0
+        return self.EARLY_STOP_MARGIN * num_requests * max(0.0, float(increase.min()))
 
     def lengths(self, step: PolicyStep) -> np.ndarray:
         order = ranking.rank_candidates(step.confidences)
@@ -138,6 +170,7 @@ class DSparkAsyncPolicy(VerifyPolicy):
 
     name = "dspark_async"
     needs_curve = True
+    adaptive_depth = True
 
     def __init__(self, budget: int | None = None, admission: Admission = admit_top_budget) -> None:
         if budget is not None and budget < 0:

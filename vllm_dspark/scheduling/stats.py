@@ -32,6 +32,11 @@ class DSparkStats:
     confidence_shifts: dict[str, list[float]] = field(default_factory=dict)
     # verified_length_counts[l] = number of (request, step) pairs that verified l drafts
     verified_length_counts: list[int] = field(default_factory=list)
+    # Drafting: steps planned per depth (draft_depth_counts[0] = steps that drafted
+    # nothing), LM-head rows the drafter computed, its seconds in all.
+    draft_depth_counts: list[int] = field(default_factory=list)
+    lm_head_rows: int = 0
+    drafting_seconds: float = 0.0
 
     @property
     def pruned(self) -> int:
@@ -54,6 +59,15 @@ class DSparkStats:
         for length in verified:
             self.verified_length_counts[int(length)] += 1
 
+    def record_plan(self, depth: int) -> None:
+        if len(self.draft_depth_counts) <= depth:
+            self.draft_depth_counts += [0] * (depth + 1 - len(self.draft_depth_counts))
+        self.draft_depth_counts[depth] += 1
+
+    def record_drafting(self, lm_head_rows: int, seconds: float) -> None:
+        self.lm_head_rows += lm_head_rows
+        self.drafting_seconds += seconds
+
     def summary(self) -> str:
         return (
             f"policy {self.policy}: {self.steps} steps, drafts proposed {self.proposed}, "
@@ -62,7 +76,9 @@ class DSparkStats:
             f"(predicted {self.predicted_accepted:.1f}, calibration error "
             f"{self.calibration_error:+.3f} per verified draft), mean verification budget "
             f"{self.verified / max(1, self.verified_requests):.2f} tokens/request, step overhead "
-            f"beyond the SPS profile {self.step_overhead_ms:.1f} ms"
+            f"beyond the SPS profile {self.step_overhead_ms:.1f} ms, draft depth per step "
+            f"{self.draft_depth_counts} (index = depth), {self.lm_head_rows} LM-head rows, "
+            f"{self.drafting_seconds:.1f} s drafting"
             + "".join(
                 f", {mode} confidence recalibration: slopes {[round(x, 2) for x in self.confidence_slopes[mode]]} "
                 f"shifts {[round(x, 2) for x in shifts]}"
