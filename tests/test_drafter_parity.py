@@ -18,7 +18,7 @@ def first_proposal_in_vllm(target: Path, drafter: Path, k: int) -> tuple[int, to
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = make_llm(target, {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": k})
+    llm = make_llm(target, {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": k}, {"vllm_dspark": {"policy": "fixed"}})
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     proposer = runner.drafter
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []

@@ -27,7 +27,7 @@ def edited_copy(drafter: Path, tmp_path: Path, **changes) -> Path:
 
 
 def start(target: Path, drafter: Path, k: int = 4, options: dict | None = None) -> None:
-    make_llm(target, {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": k}, {"vllm_dspark": options or {}})
+    make_llm(target, {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": k}, {"vllm_dspark": options or {"policy": "fixed"}})
 
 
 def test_unknown_policy(tiny_target, drafter):

@@ -25,6 +25,7 @@ def test_fused_path_matches_pytorch_loop(tiny_target, tmp_path, monkeypatch):
         markov_head = drafter.markov_head
         confidence_head = drafter.confidence_head
         confidence_temperatures = torch.tensor([1.0, 1.3, 0.8, 2.0])
+        draft_ids = None  # full vocabulary
 
     force_kernel_path_on_cpu(monkeypatch)
     assert proposer_module.fused_head_applies(VllmLike)

@@ -14,6 +14,7 @@ import sys
 COMMAND_MODULES: tuple[str, ...] = (
     "vllm_dspark.serve",
     "vllm_dspark.model.init_drafter",
+    "vllm_dspark.model.reduce_vocab",
     "vllm_dspark.engine_profile",
     "vllm_dspark.targets.cli",
     "vllm_dspark.training.data",

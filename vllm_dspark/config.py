@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from vllm_dspark.scheduling.policies import POLICY_TYPES, PolicyName
 
@@ -46,6 +46,10 @@ class DrafterConfig(BaseModel):
     rope_theta: float = Field(default=10000.0, gt=0)
     max_position_embeddings: int = Field(default=8192, gt=0)
     vocab_size: int = Field(gt=0)
+    # Reduced draft vocabulary (vLLM's DSpark format): the drafter's LM head and Markov W2
+    # cover only these many target tokens, mapped back by the checkpoint's `d2t` (target id
+    # = draft id + d2t[draft id]); None = the full target vocabulary.
+    draft_vocab_size: int | None = Field(default=None, gt=0)
     hidden_act: Literal["silu"] = "silu"
     target_hidden_size: int | None = Field(default=None, gt=0)
     num_hidden_layers: int = Field(gt=0)
@@ -77,6 +81,11 @@ class DrafterConfig(BaseModel):
                 f"mask_token_id {self.mask_token_id} is outside the vocabulary "
                 f"(vocab_size {self.vocab_size})"
             )
+        if self.draft_vocab_size is not None and self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size {self.draft_vocab_size} is larger than the target vocabulary "
+                f"(vocab_size {self.vocab_size})"
+            )
         ids = self.target_layer_ids
         if min(ids) < -1:
             raise ValueError(f"target_layer_ids must be >= -1 (-1 = embeddings), got {ids}")
@@ -98,6 +107,15 @@ class DrafterConfig(BaseModel):
     @property
     def context_hidden_size(self) -> int:
         return self.target_hidden_size or self.hidden_size
+
+    @property
+    def draft_vocab(self) -> int:
+        """Rows of the drafter's LM head and Markov W2."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.draft_vocab < self.vocab_size
 
     @property
     def has_markov_head(self) -> bool:
@@ -163,7 +181,8 @@ class PluginOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # None: `dspark` when a throughput curve is given, else `fixed` (logged at start-up).
+    # None: `dspark`; without a curve also `sps_profile: "auto"` with `profile_at_startup`
+    # (logged at start-up).
     policy: PolicyName | None = None
     # fixed policy: verify min(k, K) draft tokens; None = all K.
     k: int | None = Field(default=None, ge=0)
@@ -190,7 +209,12 @@ class PluginOptions(BaseModel):
     def _check_curve(self) -> "PluginOptions":
         has_curve = self.sps_table is not None or self.sps_profile is not None
         if self.policy is None:
-            self.policy = "dspark" if has_curve else "fixed"
+            # Out of the box: the adaptive policy, on this engine's cached profile, measured
+            # at start-up when there is none yet.
+            self.policy = "dspark"
+            if not has_curve:
+                self.sps_profile, self.profile_at_startup, has_curve = AUTO_PROFILE, True, True
+                self._defaulted = True
         if POLICY_TYPES[self.policy].needs_curve and not has_curve:
             raise ValueError(
                 f"policy '{self.policy}' needs the engine throughput curve: give "
@@ -213,6 +237,17 @@ class PluginOptions(BaseModel):
         if self.sps_table is not None:
             return SpsCurve(points=self.sps_table)
         return None
+
+    _defaulted: bool = PrivateAttr(default=False)
+
+    def choice(self) -> str:
+        """What the options select and why, for the start-up log."""
+        if self._defaulted:
+            return ("policy 'dspark' with adaptive drafting on this engine's SPS profile (cached, or "
+                    "measured now): the default when only --speculative-config is given")
+        curve = "no curve" if self.sps_table is None and self.sps_profile is None else (
+            f"sps_profile {self.sps_profile!r}" if self.sps_profile else f"an sps_table of {len(self.sps_table or [])} points")
+        return f"policy '{self.policy}' with {curve}" + ("" if self.adaptive_drafting else ", drafting all K")
 
     @classmethod
     def from_additional_config(cls, additional_config: dict[str, Any] | None) -> "PluginOptions":

@@ -27,6 +27,11 @@ from vllm_dspark.scheduling.sps import SpsCurve
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+# The start-up profile (no cached one): fewer and shorter passes, so a start stays bounded;
+# SPS is interpolated between these pass sizes and extrapolated beyond the last.
+STARTUP_BATCH_TOKENS = (1, 4, 16, 64)
+STARTUP_CONTEXT_LEN = 128
+STARTUP_STEPS = 6
 
 
 def time_decode_steps(llm, batch: int, context_len: int, steps: int, vocab_size: int, seed: int) -> list[float]:
@@ -145,10 +150,12 @@ def ensure_cached_profile(model: str, dtype: str, max_batch: int) -> Path:
     path = cached_profile_path(profile_key(model, dtype))
     if path.is_file():
         return path
-    batch_tokens = [str(b) for b in DEFAULT_BATCH_TOKENS if b <= max_batch] or ["1"]
+    batch_tokens = [str(b) for b in STARTUP_BATCH_TOKENS if b <= max_batch] or ["1"]
     command = [sys.executable, "-m", "vllm_dspark.cli", "profile", "--model", model, "--dtype", dtype,
-               "--out", str(path), "--cache", "--batch-tokens", *batch_tokens]
-    logger.info("vllm_dspark: profiling SPS(B) at start-up (about a minute per batch size): %s", " ".join(command))
+               "--out", str(path), "--cache", "--batch-tokens", *batch_tokens,
+               "--context-len", str(STARTUP_CONTEXT_LEN), "--steps", str(STARTUP_STEPS)]
+    logger.info("vllm_dspark: no SPS profile cached for this engine; measuring one now (bounded: %d batch "
+                "sizes, %d steps each; cached for the next start): %s", len(batch_tokens), STARTUP_STEPS, " ".join(command))
     env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     subprocess.run(command, check=True, env=env)
     return path

@@ -15,6 +15,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
 from vllm_dspark.config import DrafterConfig
+from vllm_dspark.model.drafter import target_ids_of
 from vllm_dspark.model.heads import ConfidenceHead, MarkovHead, build_markov_head
 
 HEAD_PREFIXES = ("markov_head.", "confidence_head.")
@@ -37,6 +38,12 @@ class VllmDSparkDraftModel(DFlashQwen3ForCausalLM):
         )
         temps = self.dspark_config.confidence_temperatures or [1.0] * self.dspark_config.block_size
         self.register_buffer("confidence_temperatures", torch.tensor(temps, dtype=torch.float32), persistent=False)
+        self.draft_ids: torch.Tensor | None = None  # target id per draft id (reduced vocabulary)
+
+    def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (vLLM's `compute_logits` would scatter them
+        into a target-wide row of -inf; the sequential stage maps the chosen ids instead)."""
+        return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         head_params = dict(self.named_parameters())
@@ -53,6 +60,9 @@ class VllmDSparkDraftModel(DFlashQwen3ForCausalLM):
                     yield name, tensor
 
         super().load_weights(backbone_weights())
+        self.draft_ids = None
+        if self.draft_id_to_target_id is not None:  # a reduced draft vocabulary (d2t loaded)
+            self.draft_ids = target_ids_of(self.draft_id_to_target_id.data, self.dspark_config.vocab_size)
         if self.confidence_head is not None:
             self.confidence_head.serving_bias = None  # re-read by the proposer after a reload
         expected = {n for n in head_params if n.startswith(HEAD_PREFIXES)}

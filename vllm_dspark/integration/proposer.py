@@ -107,8 +107,9 @@ class DSparkProposer(dflash_proposer_base()):
             # The LM head position by position, for the requests still drafting only.
             out = sequential_draft(
                 model.markov_head, model.confidence_head, model.confidence_temperatures,
-                lambda rows, j: model.compute_logits(hidden[rows, j]), hidden, anchors, temperature,
-                min_survival=self.min_survival,
+                lambda rows, j: model.draft_logits(hidden[rows, j]), hidden, anchors, temperature,
+                min_survival=self.min_survival, draft_to_target=model.draft_ids,
+                target_vocab=model.dspark_config.vocab_size,
             )
         assert self._report is not None
         self._report.lm_head_rows = batch * k if out.lm_head_rows is None else out.lm_head_rows
@@ -176,12 +177,14 @@ class DraftTimer:
 
 
 def fused_head_applies(model) -> bool:
-    """The fused Triton head covers the vanilla Markov head with a confidence head, on
-    CUDA; everything else (and `VLLM_DSPARK_FORCE_REFERENCE=1`) runs the PyTorch loop."""
+    """The fused Triton head covers the vanilla Markov head with a confidence head and the
+    full vocabulary, on CUDA; everything else (and `VLLM_DSPARK_FORCE_REFERENCE=1`) runs
+    the PyTorch loop."""
     return (
         dispatch.triton_kernels_enabled()
         and type(model.markov_head) is MarkovHead
         and model.confidence_head is not None
+        and model.draft_ids is None  # the kernel covers the full vocabulary only
     )
 
 

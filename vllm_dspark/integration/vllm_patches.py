@@ -188,10 +188,10 @@ def _patch_engine_args() -> None:
         if scheduler_config.scheduler_cls is None:
             scheduler_config.scheduler_cls = SCHEDULER_CLASS
         logger.info(
-            "vllm_dspark: drafter %s, K=%d, verification policy '%s', scheduler %s",
+            "vllm_dspark: drafter %s, K=%d, %s; scheduler %s",
             spec.model,
             spec.num_speculative_tokens,
-            options.policy,
+            options.choice(),
             scheduler_config.scheduler_cls,
         )
         return config

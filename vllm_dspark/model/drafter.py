@@ -22,7 +22,24 @@ from vllm_dspark.model.heads import ConfidenceHead, DraftOutput, build_markov_he
 from vllm_dspark.model.layers import DraftDecoderLayer, RMSNorm
 
 WEIGHTS_FILE = "model.safetensors"
+# Weights a checkpoint may leave out: they are the target's own (a reduced-vocabulary
+# drafter stores its LM head, a slice of the target's, since vLLM loads it so).
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+D2T = "d2t"  # draft id -> target id offset, vLLM's name
+
+
+def shared_with_target(config: DrafterConfig) -> tuple[str, ...]:
+    return ("embed_tokens.weight",) if config.reduced_vocab else SHARED_WITH_TARGET
+
+
+def target_ids_of(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Absolute target ids of the draft vocabulary; raises if one falls outside it."""
+    ids = torch.arange(len(d2t), device=d2t.device) + d2t.long()
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ConfigError(f"d2t maps draft ids outside the target vocabulary (0..{vocab_size - 1})")
+    if len(torch.unique(ids)) != len(ids):
+        raise ConfigError("d2t maps two draft ids to the same target id")
+    return ids
 
 
 def block_mask(anchor_positions: torch.Tensor, context_len: int, slots: int) -> torch.Tensor:
@@ -43,7 +60,9 @@ class DSparkDrafter(nn.Module):
         self.config = config
         d = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
-        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(d, config.draft_vocab, bias=False)
+        if config.reduced_vocab:
+            self.register_buffer(D2T, torch.zeros(config.draft_vocab, dtype=torch.int64))
         for frozen in (self.embed_tokens, self.lm_head):
             frozen.weight.requires_grad_(False)
         self.fc = nn.Linear(config.context_hidden_size * len(config.target_layer_ids), d, bias=False)
@@ -98,6 +117,7 @@ class DSparkDrafter(nn.Module):
         n, k, _ = hidden.shape
         logits = self.lm_head(hidden)
         state = self.markov_head.initial_state(n, hidden) if self.markov_head else None
+        draft_ids = self.draft_to_target()
         biases, conf_logits = [], []
         for j in range(k):
             feature = None
@@ -108,7 +128,15 @@ class DSparkDrafter(nn.Module):
                 conf_logits.append(self.confidence_head.logit(hidden[:, j], feature))
         if biases:
             logits = logits + torch.stack(biases, dim=1)
+        if draft_ids is not None:  # target-vocabulary view: -inf outside the subset
+            full = logits.new_full((n, k, self.config.vocab_size), float("-inf"))
+            full[..., draft_ids] = logits
+            logits = full
         return logits, torch.stack(conf_logits, dim=1) if conf_logits else None
+
+    def draft_to_target(self) -> torch.Tensor | None:
+        """Target id of each draft id (None for a full-vocabulary drafter)."""
+        return target_ids_of(getattr(self, D2T), self.config.vocab_size) if self.config.reduced_vocab else None
 
     def draft(
         self,
@@ -128,12 +156,15 @@ class DSparkDrafter(nn.Module):
             anchors,
             temperature,
             generator=generator,
+            draft_to_target=self.draft_to_target(),
+            target_vocab=self.config.vocab_size,
         )
 
     # ------------------------------------------------------------------ I/O
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything except the weights shared with (copied from) the target."""
-        return {k: v for k, v in self.state_dict().items() if k not in SHARED_WITH_TARGET}
+        shared = shared_with_target(self.config)
+        return {k: v for k, v in self.state_dict().items() if k not in shared}
 
     def save_pretrained(self, out_dir: str | Path) -> None:
         out = Path(out_dir)
@@ -145,7 +176,8 @@ class DSparkDrafter(nn.Module):
     def load_shared_from_target(self, target_dir: str | Path) -> None:
         embed, lm_head = read_target_embeddings(target_dir, self.config)
         self.embed_tokens.weight.data.copy_(embed)
-        self.lm_head.weight.data.copy_(lm_head)
+        if not self.config.reduced_vocab:
+            self.lm_head.weight.data.copy_(lm_head)
 
     @classmethod
     def from_pretrained(
@@ -159,7 +191,7 @@ class DSparkDrafter(nn.Module):
             raise ConfigError(f"drafter weights not found: {weights_path}")
         state = load_file(str(weights_path))
         model = cls(config)
-        missing_shared = [k for k in SHARED_WITH_TARGET if k not in state]
+        missing_shared = [k for k in shared_with_target(config) if k not in state]
         if missing_shared:
             if target_dir is None:
                 raise ConfigError(
@@ -180,6 +212,7 @@ class DSparkDrafter(nn.Module):
         if wrong:
             raise ConfigError(f"drafter weight shapes do not match its config: {wrong[:8]}")
         model.load_state_dict(state, strict=False)
+        model.draft_to_target()  # validates d2t
         return model
 
 

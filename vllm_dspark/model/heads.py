@@ -26,7 +26,7 @@ class MarkovHead(nn.Module):
         super().__init__()
         self.rank = config.markov_rank
         self.markov_w1 = nn.Embedding(config.vocab_size, self.rank)
-        self.markov_w2 = nn.Linear(self.rank, config.vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(self.rank, config.draft_vocab, bias=False)
 
     def initial_state(self, batch: int, like: torch.Tensor) -> HeadState:
         return None
@@ -152,6 +152,8 @@ def sequential_draft(
     generator: torch.Generator | None = None,
     return_probs: bool | None = None,
     min_survival: float = 0.0,
+    draft_to_target: torch.Tensor | None = None,
+    target_vocab: int | None = None,
 ) -> DraftOutput:
     """The left-to-right loop after the backbone pass; the one implementation of the
     sequential stage: the PyTorch drafter, evaluation and the vLLM proposer run it, and it
@@ -170,6 +172,11 @@ def sequential_draft(
     reads h_k and the token x_{k-1} only); a request whose prefix survival a_k falls below
     `min_survival` stops drafting there and its logits at k and later are never computed.
     The stop reads only earlier tokens, so it is non-anticipating like the policies'.
+
+    Reduced draft vocabulary: `base_logits` and the Markov bias cover the draft vocabulary
+    and `draft_to_target` [N_draft] holds each draft id's target id; tokens come out as
+    target ids (the Markov head reads them as such) and draft rows over `target_vocab`,
+    zero outside the subset, so rejection sampling sees the exact draft distribution.
     """
     n, k, _ = hidden.shape
     device = hidden.device
@@ -230,12 +237,20 @@ def sequential_draft(
             token_probs[rows, j] = torch.where(row_sampled, log_p.gather(1, choice[:, None])[:, 0].exp(), 1.0).float()
         if want_probs:
             if probs is None:  # point masses at token 0 where nothing is drafted
-                probs = torch.zeros(n, k, logits.shape[-1], dtype=torch.float32, device=device)
+                vocab = target_vocab or logits.shape[-1]
+                probs = torch.zeros(n, k, vocab, dtype=torch.float32, device=device)
                 probs[:, :, 0] = 1.0
             row = torch.nn.functional.one_hot(choice, logits.shape[-1]).to(compute)
             if any_sampled:
                 row = torch.where(row_sampled[:, None], log_p.exp(), row)
-            probs[rows, j] = row.float()
+            if draft_to_target is None:
+                probs[rows, j] = row.float()
+            else:
+                scattered = torch.zeros(len(rows), probs.shape[-1], dtype=torch.float32, device=device)
+                scattered[:, draft_to_target] = row.float()
+                probs[rows, j] = scattered
+        if draft_to_target is not None:
+            choice = draft_to_target[choice]
         tokens[rows, j] = choice
         depths[rows] += 1
         prev = choice

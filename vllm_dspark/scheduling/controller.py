@@ -274,7 +274,8 @@ class VerificationController:
         depths = np.arange(max_depth + 1)
         survival = self.mean_survival[:max_depth]
         tokens = num_requests * (1.0 + np.r_[0.0, np.cumsum(survival)])
-        besides_drafting = self.step_overhead.seconds - self.drafting_seconds
+        # The learned step offset includes the drafting of the steps it was learned on.
+        besides_drafting = self.step_overhead.seconds - self.drafting_seconds if self.learns_step_overhead else 0.0
         drafting = np.array([self.drafting_cost.predict(num_requests, d, num_requests * d) for d in depths])
         step = self.curve.step_time(num_requests * (1 + depths)) + besides_drafting + drafting
         return int(np.argmax(tokens / np.maximum(step, 1e-9)))

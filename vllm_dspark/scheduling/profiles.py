@@ -13,7 +13,7 @@ import os
 import platform
 from pathlib import Path
 
-from vllm_dspark.config import AUTO_PROFILE, PluginOptions
+from vllm_dspark.config import AUTO_PROFILE, ConfigError, PluginOptions
 from vllm_dspark.scheduling.sps import SpsCurve
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,13 @@ def resolve_sps_curve(options: PluginOptions, model: str, dtype: str) -> SpsCurv
     path = cached_profile_path(key)
     if path.is_file():
         logger.info("vllm_dspark: SPS profile for this engine from %s", path)
-        return SpsCurve.load(path)
+        try:
+            return SpsCurve.load(path)
+        except ValueError as error:
+            raise ConfigError(
+                f"the cached SPS profile {path} is unusable ({error}); delete it or rerun "
+                f"`vllm-dspark profile --model {model} --out FILE --cache`"
+            ) from error
     logger.warning(
         "vllm_dspark: no cached SPS profile for %s (looked for %s): run "
         "`vllm-dspark profile --model %s --out FILE --cache`", key, path, model,

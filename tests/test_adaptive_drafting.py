@@ -1,0 +1,250 @@
+"""Drafting that pays for itself: whether and how deep to draft, the drafter's early stop,
+the reduced draft vocabulary and the out-of-the-box start-up profile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.tiny_models import engine_scheduler, fit_markov_to_transitions, generate_ids, make_drafter, make_llm, spec_counters
+from vllm_dspark.config import ConfigError, DrafterConfig, PluginOptions
+from vllm_dspark.model.drafter import DSparkDrafter, target_ids_of
+from vllm_dspark.model.heads import sequential_draft
+from vllm_dspark.model.reduce_vocab import choose_draft_vocab, coverage, reduce_drafter
+from vllm_dspark.scheduling import SpsCurve
+from vllm_dspark.scheduling.controller import PROBE_INTERVAL, StepInputs, VerificationController
+
+K = 4
+PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300, 11, 12, 13, 14], [42, 17, 99], [7, 300, 2, 9, 9, 9, 1, 4]]
+MAX_TOKENS = 24
+
+
+# ------------------------------------------------------------ whether and how deep
+
+
+def run_steps(controller: VerificationController, survival: float, steps: int, requests: int = 8) -> list[int]:
+    """Drive the controller as the engine does, drafting what it plans; every draft has
+    confidence `survival` and drafting costs 20 ms per position (5 ms context pass)."""
+    depths = []
+    depth = K
+    for _ in range(steps):
+        if depth:
+            c = np.full((requests, depth), survival)
+            inputs = StepInputs(tuple(map(str, range(requests))), c, np.full(requests, depth), np.zeros(requests, bool))
+            verified = controller.decide(inputs).verified
+        controller.step_scheduled(0.0, 0)
+        controller.observe(np.minimum(verified, 1) + 1 if depth else None)
+        controller.observe_drafting(requests, depth, requests * depth, 0.005 + 0.02 * depth)
+        depth = controller.plan_drafting(requests).depth
+        depths.append(depth)
+    return depths
+
+
+def controller_on(curve: SpsCurve) -> VerificationController:
+    options = PluginOptions(policy="dspark", sps_table=curve.points, measure_step_overhead=False, recalibrate=False)
+    return VerificationController(options, curve, num_speculative_tokens=K)
+
+
+def test_stops_drafting_where_it_never_pays_and_probes_now_and_then() -> None:
+    # Verification is expensive and drafts are rarely right: plain decoding wins.
+    steep = SpsCurve(points=[(1, 20.0), (8, 18.0), (16, 5.0), (64, 1.0)])
+    depths = run_steps(controller_on(steep), survival=0.05, steps=3 * PROBE_INTERVAL)
+    settled = depths[5:]
+    assert settled.count(0) > 0.85 * len(settled)
+    assert set(settled) <= {0, 1}, "probes draft a single position"
+    assert 1 in settled, "a probe now and then keeps the survival estimate fresh"
+
+
+def test_always_drafts_in_full_where_it_always_pays() -> None:
+    # Verification is nearly free and drafts survive: draft every position, every step.
+    flat = SpsCurve(points=[(1, 10.0), (512, 9.9)])
+    depths = run_steps(controller_on(flat), survival=0.95, steps=2 * PROBE_INTERVAL)
+    assert depths == [K] * len(depths)
+
+
+def test_fixed_and_unadaptive_policies_draft_what_they_verify() -> None:
+    fixed = VerificationController(PluginOptions(policy="fixed", k=1), None, num_speculative_tokens=K)
+    assert fixed.plan_drafting(8).depth == 1
+    flat = SpsCurve(points=[(1, 10.0), (512, 9.9)])
+    off = VerificationController(
+        PluginOptions(policy="dspark", sps_table=flat.points, adaptive_drafting=False), flat, num_speculative_tokens=K
+    )
+    plan = off.plan_drafting(8)
+    assert (plan.depth, plan.min_survival) == (K, 0.0)
+
+
+# ---------------------------------------------------------------- early stop
+
+
+def heads_and_inputs(seed: int = 0, n: int = 6, vocab: int = 50):
+    torch.manual_seed(seed)
+    config = DrafterConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                           intermediate_size=32, vocab_size=vocab, num_hidden_layers=1, block_size=K,
+                           target_layer_ids=[0], mask_token_id=0, markov_rank=4)
+    drafter = DSparkDrafter(config)
+    with torch.no_grad():
+        drafter.confidence_head.proj.weight.normal_(0, 2.0)
+    hidden = torch.randn(n, K, 16)
+    base = torch.randn(n, K, vocab)
+    anchors = torch.randint(0, vocab, (n,))
+    return drafter, hidden, base, anchors
+
+
+def test_positions_past_the_early_stop_are_never_computed() -> None:
+    drafter, hidden, base, anchors = heads_and_inputs()
+    heads = (drafter.markov_head, drafter.confidence_head, None)
+    full = sequential_draft(*heads, base, hidden, anchors)
+    asked: list[tuple[int, int]] = []
+
+    def logits(rows: torch.Tensor, j: int) -> torch.Tensor:
+        asked.extend((int(r), j) for r in rows)
+        return base[rows, j]
+
+    floor = 0.2
+    cut = sequential_draft(*heads, logits, hidden, anchors, min_survival=floor)
+    survival = torch.cumprod(full.confidences, dim=1)
+    expected = {(r, j) for r in range(len(anchors)) for j in range(K) if survival[r, j] >= floor}
+    assert set(asked) == expected and cut.lm_head_rows == len(expected)
+    assert 0 < len(expected) < len(anchors) * K, "the case must cut some rows and keep others"
+    for r in range(len(anchors)):
+        depth = int(cut.depths[r])
+        assert torch.equal(cut.tokens[r, :depth], full.tokens[r, :depth])
+        assert torch.allclose(cut.confidences[r, :depth], full.confidences[r, :depth])
+        assert (cut.confidences[r, depth:] == 0).all(), "undrafted positions are never verified"
+
+
+def test_the_early_stop_never_reads_the_token_it_decides_about() -> None:
+    """Whether position j is drafted may not change when the logits at j and later (which
+    pick token j and after) change: it reads tokens 0..j-1 only."""
+    drafter, hidden, base, anchors = heads_and_inputs(seed=3)
+    heads = (drafter.markov_head, drafter.confidence_head, None)
+    reference = sequential_draft(*heads, base, hidden, anchors, min_survival=0.2)
+    for j in range(K):
+        changed = base.clone()
+        changed[:, j:] = torch.randn_like(changed[:, j:]) * 5
+        other = sequential_draft(*heads, changed, hidden, anchors, min_survival=0.2)
+        assert torch.equal(torch.clamp(reference.depths, max=j + 1), torch.clamp(other.depths, max=j + 1))
+
+
+# ---------------------------------------------------------- reduced vocabulary
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_target: Path) -> list[list[int]]:
+    return generate_ids(make_llm(tiny_target), PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_target: Path, baseline, tmp_path_factory) -> tuple[Path, Path, np.ndarray]:
+    full = make_drafter(tiny_target, tmp_path_factory.mktemp("full"))
+    fit_markov_to_transitions(full, tiny_target, [p + o for p, o in zip(PROMPTS, baseline)])
+    counts = np.bincount(np.concatenate([np.array(p + o) for p, o in zip(PROMPTS, baseline)]), minlength=512)
+    ids = choose_draft_vocab(counts, 96, always=[0, 1])
+    reduced = tmp_path_factory.mktemp("reduced")
+    reduce_drafter(full, tiny_target, ids, reduced)
+    return full, reduced, ids
+
+
+def test_reduced_checkpoint_is_laid_out_as_vllm_loads_it(drafters, tiny_target) -> None:
+    full, reduced, ids = drafters
+    config = json.loads((reduced / "config.json").read_text())
+    assert config["draft_vocab_size"] == len(ids) and config["vocab_size"] == 512
+    weights = load_file(str(reduced / "model.safetensors"))
+    full_weights = load_file(str(full / "model.safetensors"))
+    # The names Qwen3DSparkForCausalLM.load_weights maps: lm_head.weight, d2t, markov_head.*
+    assert weights["lm_head.weight"].shape == (len(ids), config["hidden_size"])
+    assert weights["markov_head.markov_w2.weight"].shape == (len(ids), config["markov_rank"])
+    assert weights["markov_head.markov_w1.weight"].shape == (512, config["markov_rank"])
+    assert torch.equal(torch.arange(len(ids)) + weights["d2t"], torch.from_numpy(ids)), "d2t round trip"
+    assert torch.equal(weights["markov_head.markov_w2.weight"], full_weights["markov_head.markov_w2.weight"][ids])
+    model = DSparkDrafter.from_pretrained(reduced, tiny_target)
+    assert torch.equal(model.draft_to_target(), torch.from_numpy(ids))
+
+
+def test_reduced_draft_probabilities_are_exact_over_the_target_vocabulary(drafters, tiny_target) -> None:
+    _, reduced, ids = drafters
+    model = DSparkDrafter.from_pretrained(reduced, tiny_target)
+    hidden = torch.randn(5, K, model.config.hidden_size)
+    out = model.draft(hidden, torch.tensor([5, 6, 7, 8, 9]), temperature=torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0]))
+    assert out.probs is not None and out.probs.shape == (5, K, 512)
+    assert torch.allclose(out.probs.sum(-1), torch.ones(5, K), atol=1e-5)
+    outside = torch.ones(512, dtype=torch.bool)
+    outside[torch.from_numpy(ids)] = False
+    assert (out.probs[..., outside] == 0).all()
+    assert torch.isin(out.tokens, torch.from_numpy(ids)).all()
+    assert (out.probs.gather(-1, out.tokens.unsqueeze(-1)) > 0).all()
+
+
+def test_reduced_vocabulary_errors(drafters, tiny_target, tmp_path) -> None:
+    with pytest.raises(ValueError, match="larger than the target vocabulary"):
+        DrafterConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
+                      vocab_size=50, draft_vocab_size=60, num_hidden_layers=1, block_size=4, target_layer_ids=[0],
+                      mask_token_id=0)
+    with pytest.raises(ConfigError, match="outside the target vocabulary"):
+        target_ids_of(torch.tensor([0, 600]), 512)
+    with pytest.raises(ConfigError, match="same target id"):
+        target_ids_of(torch.tensor([1, 0]), 512)
+    with pytest.raises(ConfigError, match="special tokens"):
+        choose_draft_vocab(np.ones(512, int), 2, always=[0, 1, 2])
+    ids = choose_draft_vocab(np.r_[np.zeros(10, int), np.ones(502, int)], 20, always=[3])
+    assert 3 in ids.tolist(), "tokens the drafter must be able to emit are always kept"
+    assert coverage(np.r_[np.ones(10), np.zeros(502)], np.arange(5)) == 0.5
+
+
+def test_reduced_drafter_serves_exactly_through_vllm(drafters, tiny_target, baseline) -> None:
+    _, reduced, _ = drafters
+    spec = {"method": "vllm_dspark", "model": str(reduced), "num_speculative_tokens": K}
+    llm = make_llm(tiny_target, spec, {"vllm_dspark": {"policy": "fixed"}})
+    assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
+    counters = spec_counters(llm)
+    assert counters["num_accepted_tokens"] > 0
+    assert counters["num_accepted_tokens"] == engine_scheduler(llm).controller.stats.accepted
+
+
+def test_skipping_and_early_stop_keep_greedy_outputs_exact(drafters, tiny_target, baseline) -> None:
+    """A curve where extra verification costs enough that some steps skip drafting and
+    the drafter stops low-survival requests early; outputs stay the target's and the
+    plugin's counters agree with vLLM's."""
+    full, _, _ = drafters
+    spec = {"method": "vllm_dspark", "model": str(full), "num_speculative_tokens": K}
+    table = [[1, 100.0], [4, 80.0], [8, 40.0], [16, 10.0]]
+    llm = make_llm(tiny_target, spec, {"vllm_dspark": {"policy": "dspark", "sps_table": table, "measure_step_overhead": False}})
+    assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
+    stats = engine_scheduler(llm).controller.stats
+    counters = spec_counters(llm)
+    assert stats.draft_depth_counts[0] > 0, "some steps drafted nothing"
+    assert sum(stats.draft_depth_counts[1:]) > 0, "and some drafted"
+    assert counters["num_draft_tokens"] == stats.verified and counters["num_accepted_tokens"] == stats.accepted
+
+
+# ------------------------------------------------------------- out of the box
+
+
+def test_only_speculative_config_profiles_at_startup_then_reuses_it(tiny_target, tmp_path, monkeypatch) -> None:
+    from vllm_dspark.scheduling.profiles import cached_profile_path, profile_key
+
+    monkeypatch.setenv("VLLM_DSPARK_CACHE", str(tmp_path / "cache"))
+    drafter = make_drafter(tiny_target, tmp_path / "drafter")
+    spec = {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": K}
+    options = PluginOptions.from_additional_config({})
+    assert (options.policy, options.sps_profile, options.profile_at_startup) == ("dspark", "auto", True)
+    assert "default" in options.choice()
+
+    llm = make_llm(tiny_target, spec, max_num_seqs=4)
+    cached = cached_profile_path(profile_key(str(tiny_target), "float32"))
+    assert cached.is_file(), "the start-up profile is written to the cache"
+    assert engine_scheduler(llm).controller.policy.name == "dspark"
+    assert [b for b, _ in engine_scheduler(llm).controller.curve.points] == [1, 4]
+    del llm
+    stamp = cached.stat().st_mtime_ns
+    llm = make_llm(tiny_target, spec, max_num_seqs=4)
+    assert cached.stat().st_mtime_ns == stamp, "the next start reuses it"
+    del llm
+    cached.write_text("{not json")
+    with pytest.raises(Exception, match="cached SPS profile .* is unusable"):
+        make_llm(tiny_target, spec, max_num_seqs=4)

@@ -1,0 +1,165 @@
+"""`vllm-dspark reduce-vocab`: a reduced-draft-vocabulary drafter from a full-vocabulary one.
+
+On a CPU the drafter's LM head dominates a drafting step: every position streams the whole
+49K x d matrix. A drafter that can only propose the N tokens the target emits most often
+pays N / V of that, and loses only the drafts it could never have proposed: the target's
+probability mass outside the subset. Verification stays exact, since the draft
+distribution handed to rejection sampling is the one actually sampled (zero outside).
+
+The subset is the N most frequent tokens of the target's own generations (a corpus written
+by `generate-data`; held-out records never count) plus the target's special tokens. The
+checkpoint is written in the format vLLM's DSpark model loads: `draft_vocab_size` in the
+config, `lm_head.weight` (the target's LM head rows of the subset), `d2t` (target id =
+draft id + d2t[draft id]), the Markov W2 rows of the subset; W1 still covers the target
+vocabulary, since it embeds the previous token, a target id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import lzma
+import shutil
+import sys
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_dspark.cli import positive_int
+from vllm_dspark.config import ConfigError, DrafterConfig
+from vllm_dspark.model.drafter import D2T, WEIGHTS_FILE, read_target_config, read_target_embeddings
+
+logger = logging.getLogger(__name__)
+
+MARKOV_W2 = "markov_head.markov_w2.weight"
+LM_HEAD = "lm_head.weight"
+HELDOUT_PERCENT = 5  # records whose id hashes below this percentage are held out
+REPORT_SIZES = (2048, 4096, 8192, 16384, 32768)
+COPIED_FILES = ("calibration.json", "reliability.png", "train_log.jsonl")
+
+
+def read_records(corpus: Path) -> Iterator[dict]:
+    """Records of a `generate-data` JSONL file, plain or xz-compressed."""
+    opener = lzma.open if corpus.suffix == ".xz" else open
+    with opener(corpus, "rt", encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                yield json.loads(line)
+
+
+def is_heldout(record_id: str) -> bool:
+    return zlib.crc32(record_id.encode()) % 100 < HELDOUT_PERCENT
+
+
+def token_counts(corpus: Path, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts of each target token in the responses, (training records, held-out records)."""
+    train, heldout = np.zeros(vocab_size, np.int64), np.zeros(vocab_size, np.int64)
+    for record in read_records(corpus):
+        ids = np.asarray(record["response_token_ids"], dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ConfigError(f"{corpus}: record {record['id']} has token ids outside the target vocabulary")
+        np.add.at(heldout if is_heldout(record["id"]) else train, ids, 1)
+    return train, heldout
+
+
+def special_token_ids(target_config: dict) -> list[int]:
+    """bos/eos/pad ids of the target config (lists allowed): the drafter must be able to
+    propose the end of a response."""
+    ids: list[int] = []
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = target_config.get(key)
+        ids += value if isinstance(value, list) else [] if value is None else [value]
+    return sorted(set(ids))
+
+
+def choose_draft_vocab(counts: np.ndarray, size: int, always: list[int]) -> np.ndarray:
+    """The `size` most frequent ids (ties by id), always including `always`, sorted by id."""
+    if size > len(counts):
+        raise ConfigError(f"draft vocabulary of {size} is larger than the target vocabulary ({len(counts)})")
+    if len(always) > size:
+        raise ConfigError(f"draft vocabulary of {size} cannot hold the {len(always)} special tokens")
+    order = np.lexsort((np.arange(len(counts)), -counts))
+    chosen = list(dict.fromkeys([*always, *order.tolist()]))[:size]
+    return np.sort(np.array(chosen, dtype=np.int64))
+
+
+def coverage(counts: np.ndarray, ids: np.ndarray) -> float:
+    """Share of the counted tokens inside the subset."""
+    total = counts.sum()
+    return float(counts[ids].sum() / total) if total else float("nan")
+
+
+def reduce_drafter(drafter_dir: Path, target_dir: Path, draft_ids: np.ndarray, out_dir: Path) -> DrafterConfig:
+    """Write the reduced-vocabulary checkpoint of a full-vocabulary drafter."""
+    config = DrafterConfig.from_dir(drafter_dir)
+    if config.reduced_vocab:
+        raise ConfigError(f"{drafter_dir} already has a reduced vocabulary ({config.draft_vocab} tokens)")
+    state = load_file(str(drafter_dir / WEIGHTS_FILE))
+    _, lm_head = read_target_embeddings(target_dir, config)
+    ids = torch.from_numpy(draft_ids)
+    dtype = next(iter(state.values())).dtype
+    state[LM_HEAD] = lm_head[ids].to(dtype).contiguous()
+    if MARKOV_W2 in state:
+        state[MARKOV_W2] = state[MARKOV_W2][ids].contiguous()
+    state[D2T] = ids - torch.arange(len(ids))
+    reduced = config.model_copy(update={"draft_vocab_size": len(ids)})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reduced.save(out_dir)
+    save_file(state, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    for name in COPIED_FILES:
+        if (drafter_dir / name).is_file():
+            shutil.copy2(drafter_dir / name, out_dir / name)
+    return reduced
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "reduce-vocab", help="derive a reduced-draft-vocabulary drafter from a full-vocabulary one"
+    )
+    parser.add_argument("--drafter", type=Path, required=True, help="full-vocabulary drafter directory")
+    parser.add_argument("--target", type=Path, default=None, help="target checkpoint (default: SmolLM2)")
+    parser.add_argument("--corpus", type=Path, required=True,
+                        help="generate-data JSONL (or .jsonl.xz) of the target's own responses")
+    parser.add_argument("--size", type=positive_int, required=True, help="draft vocabulary size N")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        if args.target is None:
+            from vllm_dspark.targets.smollm2 import smollm2_checkpoint
+
+            args.target = smollm2_checkpoint()
+        target_config = read_target_config(args.target)
+        train, heldout = token_counts(args.corpus, target_config["vocab_size"])
+        special = special_token_ids(target_config)
+        report = {
+            size: coverage(heldout, choose_draft_vocab(train, size, special))
+            for size in sorted({*REPORT_SIZES, args.size})
+            if size <= len(train)
+        }
+        ids = choose_draft_vocab(train, args.size, special)
+        reduced = reduce_drafter(args.drafter, args.target, ids, args.out)
+    except (ConfigError, OSError, KeyError, ValueError) as exc:
+        print(f"reduce-vocab: {exc}", file=sys.stderr)
+        return 1
+    summary = {
+        "draft_vocab_size": reduced.draft_vocab,
+        "target_vocab_size": reduced.vocab_size,
+        "corpus": str(args.corpus),
+        "training_tokens": int(train.sum()),
+        "heldout_tokens": int(heldout.sum()),
+        "heldout_coverage_by_size": {str(k): round(v, 5) for k, v in report.items()},
+    }
+    (args.out / "draft_vocab.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for size, share in report.items():
+        print(f"N={size:6d}: {100 * share:6.2f}% of held-out target tokens inside the draft vocabulary")
+    print(f"wrote {args.out} (draft_vocab_size {reduced.draft_vocab})")
+    return 0
