@@ -40,10 +40,10 @@ def eval_prompts(count: int) -> list[list[dict]]:
     return [[{"role": "user", "content": text}] for text in mixed[:count]]
 
 
-def configurations(drafter: str, k: int, sps_table: list) -> dict[str, dict]:
-    def dspark(**plugin):
+def configurations(drafter: str, k: int, sps_table: list, reduced: str | None = None) -> dict[str, dict]:
+    def dspark(model: str = drafter, **plugin):
         return {
-            "speculative_config": {"method": "vllm_dspark", "model": drafter, "num_speculative_tokens": k},
+            "speculative_config": {"method": "vllm_dspark", "model": model, "num_speculative_tokens": k},
             "additional_config": {"vllm_dspark": plugin},
         }
 
@@ -55,7 +55,11 @@ def configurations(drafter: str, k: int, sps_table: list) -> dict[str, dict]:
         "dspark": dspark(policy="dspark", sps_table=sps_table),
         "dspark, drafting all K": dspark(policy="dspark", sps_table=sps_table, adaptive_drafting=False),
         "dspark_async": dspark(policy="dspark_async", sps_table=sps_table),
-    }
+    } | ({} if reduced is None else {
+        "fixed-k1, reduced vocabulary": dspark(reduced, policy="fixed", k=1),
+        "dspark, reduced vocabulary": dspark(reduced, policy="dspark", sps_table=sps_table),
+        "dspark_async, reduced vocabulary": dspark(reduced, policy="dspark_async", sps_table=sps_table),
+    })
 
 
 def run_configuration(target: str, settings: dict, concurrency: list[int], max_tokens: int, repeats: int) -> list[dict]:
@@ -150,18 +154,24 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         f"tokens per request (greedy, ignore_eos), chat prompts from gsm8k/humaneval/mt-bench, "
         f"median wave of {meta.get('repeats', 1)}. "
         f"Measured {meta['date']} on {meta['hardware']}; machine shared with other jobs, so compare "
-        "rows within one run. `dspark, profile only` is the dspark policy without the learned "
-        "per-step drafting overhead (`measure_step_overhead: false`); `dspark, raw confidences` the "
-        "dspark policy without live recalibration (`recalibrate: false`).",
+        "rows within one run. `dspark, drafting all K` is the dspark policy with `adaptive_drafting: false` "
+        "(the lever A/B); `reduced vocabulary` rows serve the same drafter with its LM head cut to "
+        f"{meta.get('reduced_vocab', '?')} tokens (`vllm-dspark reduce-vocab`).",
         "",
-        "| configuration | R | system tok/s | per-user tok/s | accepted length (steps with drafts) | verified drafts/step |",
-        "|---|---|---|---|---|---|",
+        "| configuration | R | system tok/s | per-user tok/s (min-max wave) | vs no-spec | accepted length (steps with drafts) "
+        "| verified drafts/step | steps without drafting | mean draft depth | drafting ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    plain = {row["concurrency"]: row["per_user_tok_s"] for row in results.get("no-spec", [])}
     for name, rows in results.items():
         for row in rows:
+            fastest, slowest = (meta["max_tokens"] / w for w in row["wave_spread_seconds"])
+            ratio = f"{row['per_user_tok_s'] / plain[row['concurrency']]:.2f}x" if row["concurrency"] in plain else "-"
+            drafting = (f"{row['steps_without_drafting']:.0%} | {row['mean_draft_depth']:.2f} | {row['drafting_ms_per_step']:.1f}"
+                        if "mean_draft_depth" in row else "- | - | -")
             lines.append(
-                f"| {name} | {row['concurrency']} | {row['throughput_tok_s']:.1f} | {row['per_user_tok_s']:.2f} | "
-                f"{row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} |"
+                f"| {name} | {row['concurrency']} | {row['throughput_tok_s']:.1f} | {row['per_user_tok_s']:.2f} "
+                f"({slowest:.2f}-{fastest:.2f}) | {ratio} | {row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} | {drafting} |"
             )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
@@ -187,6 +197,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None, help="default: the converted SmolLM2 checkpoint")
     parser.add_argument("--drafter", default=str(REPO / "examples" / "drafters" / "smollm2-dspark-b7"))
+    parser.add_argument("--reduced-drafter", default=None, help="the same drafter with a reduced vocabulary")
     parser.add_argument("--k", type=int, default=7)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -203,7 +214,7 @@ def main() -> int:
 
     target = args.target or str(smollm2_checkpoint())
     sps = [list(p) for p in SpsCurve.load(args.sps_profile).points] if args.sps_profile else DEFAULT_SPS
-    configs = configurations(args.drafter, args.k, sps)
+    configs = configurations(args.drafter, args.k, sps, args.reduced_drafter)
     results = {}
     for name, settings in configs.items():
         if args.only and name not in args.only:
@@ -220,6 +231,9 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "sps": sps,
+        "reduced_drafter": args.reduced_drafter,
+        "reduced_vocab": (json.loads((Path(args.reduced_drafter) / "config.json").read_text())["draft_vocab_size"]
+                          if args.reduced_drafter else None),
         "hardware": hardware_name(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }

@@ -20,25 +20,29 @@ def load_script():
 
 def test_configurations_are_valid_plugin_settings():
     frontier = load_script()
-    configs = frontier.configurations("DRAFTER", 7, frontier.DEFAULT_SPS)
-    assert {"no-spec", "fixed-k7", "dspark", "dspark_async", "dspark, profile only", "dspark, raw confidences"} <= configs.keys()
+    configs = frontier.configurations("DRAFTER", 7, frontier.DEFAULT_SPS, reduced="REDUCED")
+    assert {"no-spec", "ngram-k3", "fixed-k1 (MTP-1-like)", "fixed-k7", "dspark", "dspark_async",
+            "dspark, drafting all K", "dspark, reduced vocabulary"} <= configs.keys()
     for name, settings in configs.items():
         plugin = settings.get("additional_config")
         if plugin is not None:
             options = PluginOptions.from_additional_config(plugin)  # raises on a bad setting
             assert settings["speculative_config"]["method"] == "vllm_dspark", name
-            assert options.measure_step_overhead == (name != "dspark, profile only")
-            assert options.recalibrate == (name != "dspark, raw confidences")
+            assert options.adaptive_drafting == (name != "dspark, drafting all K")
+            assert (settings["speculative_config"]["model"] == "REDUCED") == ("reduced" in name)
 
 
 def test_report_has_every_row(tmp_path: Path):
     frontier = load_script()
     row = {"concurrency": 4, "wave_seconds": 2.0, "throughput_tok_s": 96.0, "per_user_tok_s": 24.0,
-           "verified_drafts_per_step": 3.0, "accepted_length": 1.5}
-    results = {"no-spec": [row], "dspark": [{**row, "concurrency": 16}]}
+           "verified_drafts_per_step": 3.0, "accepted_length": 1.5, "wave_spread_seconds": [1.92, 2.4]}
+    drafted = {**row, "per_user_tok_s": 12.0, "steps_without_drafting": 0.5, "mean_draft_depth": 1.25,
+               "drafting_ms_per_step": 3.5}
+    results = {"no-spec": [row], "dspark": [drafted]}
     meta = {"target": "T", "drafter": "D", "k": 7, "max_tokens": 48, "sps": [], "hardware": "cpu", "date": "now"}
     frontier.write_results(results, meta, tmp_path / "frontier")
     assert json.loads((tmp_path / "frontier.json").read_text())["results"] == results
     table = (tmp_path / "frontier.md").read_text()
-    assert "| no-spec | 4 | 96.0 | 24.00 | 1.50 | 3.00 |" in table and "| dspark | 16 |" in table
+    assert "| no-spec | 4 | 96.0 | 24.00 (20.00-25.00) | 1.00x | 1.50 | 3.00 | - | - | - |" in table
+    assert "| dspark | 4 | 96.0 | 12.00 (20.00-25.00) | 0.50x | 1.50 | 3.00 | 50% | 1.25 | 3.5 |" in table
     assert (tmp_path / "frontier.png").stat().st_size > 0

@@ -27,8 +27,9 @@ from vllm_dspark.scheduling.sps import SpsCurve
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
-# The start-up profile (no cached one): fewer and shorter passes, so a start stays bounded;
-# SPS is interpolated between these pass sizes and extrapolated beyond the last.
+# The start-up profile (no cached one): fewer and shorter passes, so a start stays bounded
+# (the engine's own max_num_seqs is the last size when smaller than 64); SPS is
+# interpolated between these pass sizes and extrapolated beyond the last.
 STARTUP_BATCH_TOKENS = (1, 4, 16, 64)
 STARTUP_CONTEXT_LEN = 128
 STARTUP_STEPS = 6
@@ -150,13 +151,15 @@ def ensure_cached_profile(model: str, dtype: str, max_batch: int) -> Path:
     path = cached_profile_path(profile_key(model, dtype))
     if path.is_file():
         return path
-    batch_tokens = [str(b) for b in STARTUP_BATCH_TOKENS if b <= max_batch] or ["1"]
+    largest = max(1, min(max_batch, STARTUP_BATCH_TOKENS[-1]))
+    batch_tokens = [str(b) for b in STARTUP_BATCH_TOKENS if b < largest] + [str(largest)]
     command = [sys.executable, "-m", "vllm_dspark.cli", "profile", "--model", model, "--dtype", dtype,
                "--out", str(path), "--cache", "--batch-tokens", *batch_tokens,
                "--context-len", str(STARTUP_CONTEXT_LEN), "--steps", str(STARTUP_STEPS)]
     logger.info("vllm_dspark: no SPS profile cached for this engine; measuring one now (bounded: %d batch "
                 "sizes, %d steps each; cached for the next start): %s", len(batch_tokens), STARTUP_STEPS, " ".join(command))
-    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # The target as the plugin runs it: in this process's steps, on the V1 runner.
+    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
     subprocess.run(command, check=True, env=env)
     return path
 
