@@ -59,13 +59,12 @@ def configurations(full: str, reduced: str | None, k: int, sps: list) -> dict[st
 
     configs = {
         "no-spec": {},
+        "never drafting (fixed k=0): the speculative path's floor": dspark(full, policy="fixed", k=0),
         "dspark, full vocabulary, drafting all K (before)": dspark(full, policy="dspark", sps_table=sps, adaptive_drafting=False),
         "dspark, full vocabulary, adaptive drafting": dspark(full, policy="dspark", sps_table=sps),
-        "fixed k=1, full vocabulary": dspark(full, policy="fixed", k=1),
     }
     if reduced:
         configs["dspark, reduced vocabulary, adaptive drafting"] = dspark(reduced, policy="dspark", sps_table=sps)
-        configs["dspark, reduced vocabulary, drafting all K"] = dspark(reduced, policy="dspark", sps_table=sps, adaptive_drafting=False)
         configs["fixed k=1, reduced vocabulary"] = dspark(reduced, policy="fixed", k=1)
     return configs
 

@@ -126,6 +126,8 @@ def test_stats_travel_with_vllm_scheduler_stats_to_prometheus(tiny_target, fitte
     assert 'vllm_dspark_verified_draft_tokens_total{engine="1",policy="dspark"} 3.0' in text, "engines apart"
     assert f'vllm_dspark_pruned_draft_tokens_total{{engine="0",policy="dspark"}} {float(stats.pruned)}' in text
     assert 'vllm_dspark_verification_budget_bucket{engine="0",le="+Inf",policy="dspark"}' in text
+    assert f'vllm_dspark_lm_head_rows_total{{engine="0",policy="dspark"}} {float(stats.lm_head_rows)}' in text
+    assert 'vllm_dspark_draft_depth_steps_total{depth="0",engine="0",policy="dspark"}' in text
     assert list(stats.confidence_shifts) == ["greedy"], "live recalibration is on by default"
     shift = stats.confidence_shifts["greedy"][0]
     assert f'vllm_dspark_confidence_logit_shift{{engine="0",mode="greedy",policy="dspark",position="1"}} {shift}' in text

@@ -52,6 +52,8 @@ def _engine_families(engine: int, stats: DSparkStats) -> list:
         ("accepted_draft_tokens", "Verified draft tokens the target accepted", stats.accepted),
         ("predicted_accepted_draft_tokens", "Accepted drafts predicted by confidences", stats.predicted_accepted),
         ("invalid_confidences", "NaN or out-of-range confidences replaced by 0", stats.invalid_confidences),
+        ("lm_head_rows", "(request, position) rows of the drafter's LM head computed", stats.lm_head_rows),
+        ("drafting_seconds", "Seconds the drafter spent proposing", stats.drafting_seconds),
     ]:
         family = CounterMetricFamily(f"vllm_dspark_{name}", doc, labels=labels)
         family.add_metric(values, value)
@@ -70,6 +72,14 @@ def _engine_families(engine: int, stats: DSparkStats) -> list:
     )
     overhead.add_metric(values, stats.step_overhead_ms / 1000.0)
     families.append(overhead)
+    depths = CounterMetricFamily(
+        "vllm_dspark_draft_depth_steps",
+        "Engine steps by the draft depth planned for them (0: drafting skipped)",
+        labels=[*labels, "depth"],
+    )
+    for depth, count in enumerate(stats.draft_depth_counts):
+        depths.add_metric([*values, str(depth)], count)
+    families.append(depths)
     for name, doc, by_mode in [
         ("confidence_logit_slope", "Live recalibration: slope on the confidence logit, per sampling mode and block position", stats.confidence_slopes),
         ("confidence_logit_shift", "Live recalibration: shift added to the confidence logit, per sampling mode and block position", stats.confidence_shifts),
