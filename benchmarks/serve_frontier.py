@@ -50,6 +50,7 @@ def configurations(drafter: str, k: int, sps_table: list, reduced: str | None = 
     return {
         "no-spec": {},
         "ngram-k3": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
+        "never drafting (fixed k=0)": dspark(policy="fixed", k=0),
         "fixed-k1 (MTP-1-like)": dspark(policy="fixed", k=1),
         f"fixed-k{k}": dspark(policy="fixed"),
         "dspark": dspark(policy="dspark", sps_table=sps_table),
