@@ -42,9 +42,9 @@ def spec_decode_metrics(base: str) -> dict[str, float]:
         if line.startswith(("vllm:spec_decode", "vllm_dspark")) and "_created" not in line:
             name, value = line.rsplit(" ", 1)
             key = name.split("{")[0]
-            if 'position="' in name:  # per-position gauges are shown one by one, not summed
+            if 'position="' in name or 'depth="' in name:  # per position / depth: shown one by one
                 label = {k: v.strip('"') for k, v in (part.split("=", 1) for part in name.split("{")[1].rstrip("}").split(","))}
-                key += "[" + " ".join(label[k] for k in ("mode", "position") if k in label) + "]"
+                key += "[" + " ".join(label[k] for k in ("mode", "position", "depth") if k in label) + "]"
             totals[key] = totals.get(key, 0.0) + float(value)
     return totals
 
