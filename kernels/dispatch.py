@@ -17,7 +17,7 @@ import torch
 from vllm_dspark.model.heads import DraftOutput, sequential_draft, vanilla_heads
 
 from .admission import admission_lengths_reference, admission_lengths_triton
-from .sequential_head import sequential_head_triton
+from .sequential_head import check_inputs, sequential_head_triton
 from .verify_attention import verify_attention_reference, verify_attention_triton
 
 FORCE_REFERENCE_ENV = "VLLM_DSPARK_FORCE_REFERENCE"
@@ -74,6 +74,7 @@ def sequential_head(
 ) -> DraftOutput:
     """K steps of the Markov head with sampling and confidence; see `sequential_head.py`.
     hidden may be None without a confidence head."""
+    check_inputs(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds)
     if _pick(use_kernel):
         return sequential_head_triton(
             base_logits, anchor, w1, w2, temperature, seeds, hidden, conf_weight, conf_bias, conf_temps, return_probs

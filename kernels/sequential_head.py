@@ -26,7 +26,9 @@ from vllm_dspark.model.heads import DraftOutput
 from .rng_triton import gumbel_tl, seed_key_tl, step_key_tl
 
 
-def _validate(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds):
+def check_inputs(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds):
+    """Shapes the kernel needs; the dispatcher checks them for its reference path too, so
+    a caller's mistake shows on CPU, not first on a GPU."""
     num_req, k, vocab = base_logits.shape
     rank = w1.shape[1]
     if w1.shape != (vocab, rank) or w2.shape != (vocab, rank):
@@ -203,7 +205,7 @@ def sequential_head_triton(
     `out` supplies preallocated output buffers (its `probs` must be given exactly when
     `return_probs`); without a confidence head the confidences are all 1.
     """
-    _validate(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds)
+    check_inputs(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds)
     num_req, k_steps, vocab = base_logits.shape
     rank = w1.shape[1]
     dev = base_logits.device

@@ -16,7 +16,7 @@ from vllm_dspark.model.heads import sequential_draft
 
 
 def test_fused_path_matches_pytorch_loop(tiny_target, tmp_path, monkeypatch):
-    drafter = DSparkDrafter.from_pretrained(make_drafter(tiny_target, tmp_path / "d", block_size=4), tiny_target)
+    drafter = DSparkDrafter.from_pretrained(make_drafter(tiny_target, tmp_path / "d", block_size=6), tiny_target)
     with torch.no_grad():
         drafter.markov_head.markov_w2.weight.normal_(0, 0.5)
         drafter.confidence_head.proj.weight.mul_(40)
@@ -24,7 +24,8 @@ def test_fused_path_matches_pytorch_loop(tiny_target, tmp_path, monkeypatch):
     class VllmLike:  # what the proposer reads from the vLLM draft model
         markov_head = drafter.markov_head
         confidence_head = drafter.confidence_head
-        confidence_temperatures = torch.tensor([1.0, 1.3, 0.8, 2.0])
+        # A block of 6 served with K = 4: the proposer must hand the kernel K temperatures.
+        confidence_temperatures = torch.tensor([1.0, 1.3, 0.8, 2.0, 1.1, 0.9])
         draft_ids = None  # full vocabulary
 
     force_kernel_path_on_cpu(monkeypatch)

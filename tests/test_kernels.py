@@ -11,8 +11,10 @@ process instead. References run in float64; kernel outputs are poisoned before e
 launch so an element the kernel forgets to write fails the comparison.
 """
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import vllm_dspark.kernels.interpret as interpret  # noqa: I001  (must precede triton)
 
@@ -39,6 +41,11 @@ def test_kernels_in_fresh_process() -> None:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # The child must really have run the interpreter tests: only this test may skip there.
+    summary = proc.stdout.strip().splitlines()[-1]
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped)", summary)}
+    assert counts.get("skipped", 0) == 1, summary
+    assert counts.get("passed", 0) >= len(re.findall(r"^def test_", Path(__file__).read_text(), re.M)) - 1, summary
 
 
 # ---------------------------------------------------------------------------- attention

@@ -208,7 +208,7 @@ def fused_sequential_draft(
         hidden=hidden,
         conf_weight=proj.weight.view(-1),
         conf_bias=confidence_bias(model.confidence_head),
-        conf_temps=model.confidence_temperatures,
+        conf_temps=model.confidence_temperatures[: base_logits.shape[1]],  # K of this proposal
         return_probs=temperature is not None,
     )
 
