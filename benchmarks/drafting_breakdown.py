@@ -52,21 +52,22 @@ STAGES: dict[str, list[tuple[str, str]]] = {
 STEP = ("gpu_model_runner.py", "execute_model")
 
 
-def configurations(full: str, reduced: str | None, k: int, sps: list) -> dict[str, dict]:
-    def dspark(drafter: str, **plugin) -> dict:
-        return {"speculative_config": {"method": "vllm_dspark", "model": drafter, "num_speculative_tokens": k},
-                "additional_config": {"vllm_dspark": plugin}}
+# Row of this report -> configuration of serve_frontier.py (one home for the settings).
+ROWS = {
+    "no-spec": "no-spec",
+    "never drafting (fixed k=0): the speculative path's floor": "never drafting (fixed k=0)",
+    "dspark, full vocabulary, drafting all K (before)": "dspark, drafting all K",
+    "dspark, full vocabulary, adaptive drafting": "dspark",
+    "dspark, reduced vocabulary, adaptive drafting": "dspark, reduced vocabulary",
+    "fixed k=1, reduced vocabulary": "fixed-k1, reduced vocabulary",
+}
 
-    configs = {
-        "no-spec": {},
-        "never drafting (fixed k=0): the speculative path's floor": dspark(full, policy="fixed", k=0),
-        "dspark, full vocabulary, drafting all K (before)": dspark(full, policy="dspark", sps_table=sps, adaptive_drafting=False),
-        "dspark, full vocabulary, adaptive drafting": dspark(full, policy="dspark", sps_table=sps),
-    }
-    if reduced:
-        configs["dspark, reduced vocabulary, adaptive drafting"] = dspark(reduced, policy="dspark", sps_table=sps)
-        configs["fixed k=1, reduced vocabulary"] = dspark(reduced, policy="fixed", k=1)
-    return configs
+
+def configurations(full: str, reduced: str | None, k: int, sps: list) -> dict[str, dict]:
+    from serve_frontier import configurations as frontier_configurations  # benchmarks/ is the script directory
+
+    available = frontier_configurations(full, k, sps, reduced)
+    return {row: available[name] for row, name in ROWS.items() if name in available}
 
 
 def cumulative_ms(stats: pstats.Stats, targets: list[tuple[str, str]]) -> float:

@@ -132,7 +132,6 @@ class DSparkMetricsLogger(StatLoggerBase):
     def __init__(self, vllm_config, engine_index: int = 0) -> None:
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-        self.engine_index = engine_index
         self.collector = _shared_collector(get_prometheus_registry())
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:

@@ -42,9 +42,9 @@ import logging
 import os
 from typing import Literal, Optional, get_args
 
-logger = logging.getLogger(__name__)
-
 from vllm_dspark import METHOD
+
+logger = logging.getLogger(__name__)
 
 # vLLM's EAGLE config wrapper renames the checkpoint architecture "Qwen3DSparkModel" to
 # "DFlash" + name; vLLM 0.32 registers no model under that name.

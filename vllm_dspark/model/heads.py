@@ -185,7 +185,7 @@ def sequential_draft(
     sampled = torch.zeros(n, dtype=torch.bool, device=device) if temperature is None else temperature > 0
     any_sampled = bool(sampled.any())
     want_probs = any_sampled if return_probs is None else return_probs
-    keys = row_temps = None
+    keys = row_temps = vocab_ids = None
     if any_sampled:
         assert temperature is not None
         keys = seed_key(draft_seeds(n, device, generator) if seeds is None else seeds.to(device))
@@ -230,7 +230,8 @@ def sequential_draft(
             assert keys is not None and row_temps is not None
             row_sampled = sampled[rows]
             scaled = logits / row_temps[rows, None]
-            vocab_ids = torch.arange(logits.shape[-1], device=device)
+            if vocab_ids is None:
+                vocab_ids = torch.arange(logits.shape[-1], device=device)
             noise = gumbel(step_key(keys[rows], j), vocab_ids).to(compute)
             choice = torch.where(row_sampled, (scaled + noise).argmax(-1), choice)
             log_p = torch.log_softmax(scaled, dim=-1)

@@ -19,11 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import lzma
 import shutil
 import sys
-import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,37 +30,26 @@ from safetensors.torch import load_file, save_file
 from vllm_dspark.cli import positive_int
 from vllm_dspark.config import ConfigError, DrafterConfig
 from vllm_dspark.model.drafter import D2T, WEIGHTS_FILE, read_target_config, read_target_embeddings
+from vllm_dspark.training.features import FeatureError, heldout_score, iter_records
 
 logger = logging.getLogger(__name__)
 
 MARKOV_W2 = "markov_head.markov_w2.weight"
 LM_HEAD = "lm_head.weight"
-HELDOUT_PERCENT = 5  # records whose id hashes below this percentage are held out
+HELDOUT_FRAC = 0.05  # the calibration split's share (`extract-features --heldout-frac 0.05`)
 REPORT_SIZES = (2048, 4096, 8192, 16384, 32768)
 COPIED_FILES = ("calibration.json", "reliability.png", "train_log.jsonl")
 
 
-def read_records(corpus: Path) -> Iterator[dict]:
-    """Records of a `generate-data` JSONL file, plain or xz-compressed."""
-    opener = lzma.open if corpus.suffix == ".xz" else open
-    with opener(corpus, "rt", encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                yield json.loads(line)
-
-
-def is_heldout(record_id: str) -> bool:
-    return zlib.crc32(record_id.encode()) % 100 < HELDOUT_PERCENT
-
-
 def token_counts(corpus: Path, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Counts of each target token in the responses, (training records, held-out records)."""
+    """Counts of each target token in the responses, (training records, held-out records);
+    held out as for calibration (`heldout_score` below `HELDOUT_FRAC`)."""
     train, heldout = np.zeros(vocab_size, np.int64), np.zeros(vocab_size, np.int64)
-    for record in read_records(corpus):
-        ids = np.asarray(record["response_token_ids"], dtype=np.int64)
-        if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise ConfigError(f"{corpus}: record {record['id']} has token ids outside the target vocabulary")
-        np.add.at(heldout if is_heldout(record["id"]) else train, ids, 1)
+    for record in iter_records(corpus, max_seq_len=sys.maxsize):
+        ids = np.asarray(record.input_ids[record.response_start:], dtype=np.int64)
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise ConfigError(f"{corpus}: record {record.id} has token ids outside the target vocabulary")
+        np.add.at(heldout if heldout_score(record.id) < HELDOUT_FRAC else train, ids, 1)
     return train, heldout
 
 
@@ -147,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
         }
         ids = choose_draft_vocab(train, args.size, special)
         reduced = reduce_drafter(args.drafter, args.target, ids, args.out)
-    except (ConfigError, OSError, KeyError, ValueError) as exc:
+    except (ConfigError, FeatureError, OSError, ValueError) as exc:
         print(f"reduce-vocab: {exc}", file=sys.stderr)
         return 1
     summary = {

@@ -84,20 +84,18 @@ class DraftingCost:
         self.covariance = np.eye(3) * prior
         self.samples = 0
 
-    @staticmethod
-    def features(num_requests: int, depth: int, rows: float) -> np.ndarray:
-        return np.array([num_requests, num_requests * depth, rows], dtype=np.float64)
-
     def observe(self, num_requests: int, depth: int, rows: int, seconds: float) -> None:
-        x = self.features(num_requests, depth, rows)
+        x = np.array([num_requests, num_requests * depth, rows], dtype=np.float64)
         px = self.covariance @ x
         gain = px / (self.forgetting + x @ px)
         self.weights += gain * (seconds - x @ self.weights)
         self.covariance = (self.covariance - np.outer(gain, px)) / self.forgetting
         self.samples += 1
 
-    def predict(self, num_requests: int, depth: int, rows: float) -> float:
-        return max(0.0, float(self.features(num_requests, depth, rows) @ self.weights))
+    def predict(self, num_requests: int, depths: np.ndarray) -> np.ndarray:
+        """Seconds for each depth, counting every request's rows up to it (no early stop)."""
+        w_request, w_query, w_row = self.weights
+        return np.maximum(0.0, num_requests * (w_request + (w_query + w_row) * depths))
 
 
 @dataclass(frozen=True)
@@ -175,7 +173,8 @@ class VerificationController:
         self.stats = DSparkStats(policy=self.policy.name)
         self._applied_offset = 0.0
         self._previous_step: tuple[float, int] | None = None  # (start time, tokens in the pass)
-        self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray] | None = None
+        # This step's decision with its prefix survival, raw confidences and greedy mask.
+        self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._pending: deque[_Pending | None] = deque(maxlen=MAX_IN_FLIGHT)
         # Drafting: its cost model, its recent measured time and the recent mean survival
         # per position (None until a drafted step was seen).
@@ -208,8 +207,9 @@ class VerificationController:
         policy_step = PolicyStep(confidences, self.policy_curve, step.base_tokens, step.min_tokens_per_s)
         verified = np.minimum(decide_lengths(self.policy, policy_step), step.proposed)
         decision = VerifyDecision(step.req_ids, step.proposed, verified, confidences, step.base_tokens)
-        self._track_survival(confidences)
-        self._decision = (decision, raw, step.greedy)
+        survival = np.cumprod(confidences, axis=1)
+        self._track_survival(survival)
+        self._decision = (decision, survival, raw, step.greedy)
         return decision
 
     def step_scheduled(self, started: float, total_tokens: int, scheduled_drafts: dict[str, int] | None = None) -> None:
@@ -218,11 +218,10 @@ class VerificationController:
         (token budget, model length) and an unscheduled draft was never judged."""
         pending = None
         if self._decision is not None:
-            decision, raw, greedy = self._decision
+            decision, survival, raw, greedy = self._decision
             verified = decision.verified
             if scheduled_drafts is not None:
                 verified = np.minimum(verified, [scheduled_drafts.get(r, 0) for r in decision.req_ids])
-            survival = np.cumprod(decision.confidences, axis=1)
             predicted = np.where(np.arange(survival.shape[1]) < verified[:, None], survival, 0.0).sum(axis=1)
             self.stats.record_decision(decision.proposed, verified)
             pending = _Pending(decision.req_ids, raw, greedy, verified, predicted)
@@ -276,8 +275,8 @@ class VerificationController:
         tokens = num_requests * (1.0 + np.r_[0.0, np.cumsum(survival)])
         # The learned step offset includes the drafting of the steps it was learned on.
         besides_drafting = self.step_overhead.seconds - self.drafting_seconds if self.learns_step_overhead else 0.0
-        drafting = np.array([self.drafting_cost.predict(num_requests, d, num_requests * d) for d in depths])
-        step = self.curve.step_time(num_requests * (1 + depths)) + besides_drafting + drafting
+        step = self.curve.step_time(num_requests * (1 + depths)) + besides_drafting
+        step += self.drafting_cost.predict(num_requests, depths)
         return int(np.argmax(tokens / np.maximum(step, 1e-9)))
 
     def observe_drafting(self, num_requests: int, depth: int, lm_head_rows: int, seconds: float) -> None:
@@ -289,12 +288,12 @@ class VerificationController:
         self.drafting_seconds += weight * (seconds - self.drafting_seconds)
         self.stats.record_drafting(lm_head_rows, seconds)
 
-    def _track_survival(self, confidences: np.ndarray) -> None:
+    def _track_survival(self, prefix_survival: np.ndarray) -> None:
         """Mean calibrated prefix survival per position of the requests drafting now."""
-        if not len(confidences) or not confidences.shape[1]:
+        if not len(prefix_survival) or not prefix_survival.shape[1]:
             return
-        drafted = confidences.shape[1]  # positions beyond keep their earlier estimate
-        survival = np.cumprod(confidences, axis=1).mean(axis=0)
+        drafted = prefix_survival.shape[1]  # positions beyond keep their earlier estimate
+        survival = prefix_survival.mean(axis=0)
         if self.mean_survival is None:
             self.mean_survival = np.zeros(max(self.block, drafted))
             self.mean_survival[:drafted] = survival

@@ -53,11 +53,10 @@ class DSparkStats:
         self.proposed += int(proposed.sum())
         self.verified += int(verified.sum())
         self.verified_requests += len(verified)
-        width = int(proposed.max(initial=0)) + 1
-        if len(self.verified_length_counts) < width:
-            self.verified_length_counts += [0] * (width - len(self.verified_length_counts))
-        for length in verified:
-            self.verified_length_counts[int(length)] += 1
+        width = max(int(proposed.max(initial=0)) + 1, len(self.verified_length_counts))
+        counts = np.bincount(verified.astype(np.int64), minlength=width)
+        counts[: len(self.verified_length_counts)] += np.asarray(self.verified_length_counts, dtype=np.int64)
+        self.verified_length_counts = counts.tolist()
 
     def record_plan(self, depth: int) -> None:
         if len(self.draft_depth_counts) <= depth:

@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import logging
+import lzma
 import sys
 import time
 from collections.abc import Iterator
@@ -63,12 +64,13 @@ class TokenRecord:
 
 
 def iter_records(path: Path, max_seq_len: int) -> Iterator[TokenRecord]:
-    """Stream a generate-data JSONL file. Sequences are cut to `max_seq_len` tokens; records
-    with no response token left are skipped. A last line without a newline is a record still
-    being written by generate-data and is left for a later run."""
+    """Stream a generate-data JSONL file (plain or, like the committed corpus, .xz).
+    Sequences are cut to `max_seq_len` tokens; records with no response token left are
+    skipped. A last line without a newline is a record still being written by generate-data
+    and is left for a later run."""
     if not path.is_file():
         raise FeatureError(f"training data not found: {path}")
-    with open(path, "rb") as handle:
+    with (lzma.open if path.suffix == ".xz" else open)(path, "rb") as handle:
         for line_no, raw in enumerate(handle, 1):
             if not raw.endswith(b"\n"):
                 logger.info("%s:%d is incomplete (still being written); stopping there", path, line_no)
