@@ -83,10 +83,9 @@ def profile_configuration(target: str, settings: dict, concurrency: int, max_tok
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    from serve_frontier import eval_prompts  # benchmarks/ is the script directory
+    from serve_frontier import engine_kwargs, eval_prompts  # benchmarks/ is the script directory
 
-    llm = LLM(model=target, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
-              max_num_seqs=max(concurrency, 1), max_model_len=2048, seed=0, **settings)
+    llm = LLM(model=target, **engine_kwargs(max(concurrency, 1)), **settings)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     prompts = eval_prompts(concurrency)
     llm.chat(prompts, params, use_tqdm=False)  # warm-up: the plugin learns its costs here

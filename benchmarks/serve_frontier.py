@@ -2,12 +2,25 @@
 no speculation, a static one-draft (MTP-1-like) and an all-K fixed-length baseline, and
 vLLM's n-gram speculation (the peer a CPU user can pick today).
 
-Each configuration gets its own engine in a fresh process (vLLM 0.32's CPU kernel
-overrides fail on a second engine in a process that ran n-gram speculation, and a fresh
-process also returns all memory); for every concurrency R, R chat
-prompts (eval prompts, mixed domains) run at once with exactly `--max-tokens` output
-tokens each (ignore_eos), so per-user speed = max_tokens / wave time and system
-throughput = R * max_tokens / wave time. Writes JSON, Markdown and a Pareto plot.
+Each configuration gets its own engine in its own process (vLLM 0.32's CPU kernel
+overrides fail on a second engine in a process that ran n-gram speculation), all of them
+alive at once, and the waves are interleaved: for every concurrency R and every repeat,
+each configuration runs one wave in turn (the order rotates between repeats), so a slow
+stretch of the shared machine hits every row alike instead of whichever row ran then (a
+sequential run here once saw the same no-spec engine 20% slower at its end than at its
+start). A wave is R chat prompts (eval prompts: mixed domains, or only code or only chat
+with `--prompts`) at once with exactly `--max-tokens` output tokens each (ignore_eos), so
+per-user speed = max_tokens / wave time and system throughput = R * max_tokens / wave
+time. The decode
+speed per user (tokens after the first over the time between first and last token, the
+1/TPOT of `vllm bench serve`) is reported beside it: it leaves out the shared prefill.
+
+Prefix caching is off in every engine. The waves repeat the same prompts, so with it on a
+plain engine re-prefills only each prompt's last partial block, while vLLM drops one more
+cached block (128 tokens on CPU) for any EAGLE-style drafter, ours included, so that the
+drafter sees the target's hidden states again: measured at R = 16, that alone made a
+never-drafting speculative engine 0.78x a plain one, against 0.97x with caching off.
+Writes JSON, Markdown and a Pareto plot.
 
     python benchmarks/serve_frontier.py --drafter examples/drafters/smollm2-dspark-b7
 """
@@ -30,21 +43,28 @@ RESULTS = REPO / "benchmarks" / "results"
 DEFAULT_SPS = [[1, 11.9], [2, 11.0], [4, 10.4], [8, 8.9], [16, 6.8], [32, 5.5], [64, 3.2], [128, 2.1]]
 
 
-def eval_prompts(count: int) -> list[list[dict]]:
-    """First user turns, round-robin over the three eval domains."""
+PROMPT_SETS = {"mixed": ("gsm8k.jsonl", "humaneval.jsonl", "mt-bench.jsonl"),
+               "code": ("humaneval.jsonl",), "chat": ("mt-bench.jsonl",)}
+
+
+def eval_prompts(count: int, prompt_set: str = "mixed") -> list[list[dict]]:
+    """First user turns, round-robin over the set's eval files (repeated when too few)."""
     per_file = []
-    for name in ("gsm8k.jsonl", "humaneval.jsonl", "mt-bench.jsonl"):
+    for name in PROMPT_SETS[prompt_set]:
         lines = (default_eval_dir() / name).read_text().splitlines()
-        per_file.append([json.loads(line)["turns"][0] for line in lines[:count]])
+        turns = [json.loads(line)["turns"][0] for line in lines]
+        per_file.append([turns[i % len(turns)] for i in range(count)])
     mixed = [turns[i] for i in range(count) for turns in per_file]
     return [[{"role": "user", "content": text}] for text in mixed[:count]]
 
 
 def configurations(drafter: str, k: int, sps_table: list, reduced: str | None = None) -> dict[str, dict]:
-    def dspark(model: str = drafter, **plugin):
+    """Every row the script can run. Rows other than the `+ n-gram` ones switch the hybrid
+    proposals off, so they measure the drafter alone (fixed k=1 is the MTP-1 analogue)."""
+    def dspark(model: str = drafter, hybrid_ngram: bool = False, **plugin):
         return {
             "speculative_config": {"method": "vllm_dspark", "model": model, "num_speculative_tokens": k},
-            "additional_config": {"vllm_dspark": plugin},
+            "additional_config": {"vllm_dspark": {"hybrid_ngram": hybrid_ngram, **plugin}},
         }
 
     return {
@@ -52,63 +72,125 @@ def configurations(drafter: str, k: int, sps_table: list, reduced: str | None = 
         "ngram-k3": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
         "never drafting (fixed k=0)": dspark(policy="fixed", k=0),
         "fixed-k1 (MTP-1-like)": dspark(policy="fixed", k=1),
+        "fixed-k3": dspark(policy="fixed", k=3),
         f"fixed-k{k}": dspark(policy="fixed"),
         "dspark": dspark(policy="dspark", sps_table=sps_table),
         "dspark, drafting all K": dspark(policy="dspark", sps_table=sps_table, adaptive_drafting=False),
         "dspark_async": dspark(policy="dspark_async", sps_table=sps_table),
+        "dspark + n-gram": dspark(policy="dspark", sps_table=sps_table, hybrid_ngram=True),
+        "sla, 8 tok/s floor": dspark(policy="sla", sps_table=sps_table, min_tokens_per_s=8.0),
+        "sla, 16 tok/s floor": dspark(policy="sla", sps_table=sps_table, min_tokens_per_s=16.0),
     } | ({} if reduced is None else {
         "fixed-k1, reduced vocabulary": dspark(reduced, policy="fixed", k=1),
         "dspark, reduced vocabulary": dspark(reduced, policy="dspark", sps_table=sps_table),
         "dspark_async, reduced vocabulary": dspark(reduced, policy="dspark_async", sps_table=sps_table),
+        "dspark + n-gram, reduced vocabulary": dspark(reduced, policy="dspark", sps_table=sps_table, hybrid_ngram=True),
+        "dspark_async + n-gram, reduced vocabulary": dspark(reduced, policy="dspark_async", sps_table=sps_table, hybrid_ngram=True),
     })
 
 
-def run_configuration(target: str, settings: dict, concurrency: list[int], max_tokens: int, repeats: int) -> list[dict]:
+# Per engine: 64 requests of up to about 380 tokens in 128-token blocks, with every
+# configuration's engine alive at once.
+KV_CACHE_BYTES = 3 << 29  # 1.5 GiB
+
+
+def engine_kwargs(max_num_seqs: int) -> dict:
+    """The engine settings every row shares (the drafting breakdown uses them too)."""
+    return dict(dtype="float32", enforce_eager=True, distributed_executor_backend="uni", max_num_seqs=max_num_seqs,
+                max_model_len=2048, seed=0, disable_log_stats=False, enable_prefix_caching=False,
+                kv_cache_memory_bytes=KV_CACHE_BYTES)
+
+
+def decode_tok_s(outputs) -> float:
+    """Mean over requests of (tokens - 1) / (last token - first token): per-user decode speed."""
+    speeds = []
+    for output in outputs:
+        metrics, tokens = output.metrics, len(output.outputs[0].token_ids)
+        if metrics is not None and tokens > 1 and metrics.last_token_ts > metrics.first_token_ts:
+            speeds.append((tokens - 1) / (metrics.last_token_ts - metrics.first_token_ts))
+    return statistics.fmean(speeds) if speeds else float("nan")
+
+
+def serve_waves(conn, target: str, settings: dict, max_num_seqs: int, max_tokens: int, prompt_set: str) -> None:
+    """Engine process: build the engine, warm it up, then run one wave per request on
+    `conn` (a concurrency R; None ends it) and answer with its timing and counters."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override engine_kwargs' KV cache size
     from vllm import LLM, SamplingParams
 
-    llm = LLM(
-        model=target,
-        dtype="float32",
-        enforce_eager=True,
-        distributed_executor_backend="uni",
-        max_num_seqs=max(concurrency),
-        max_model_len=2048,
-        seed=0,
-        disable_log_stats=False,
-        **settings,
-    )
+    llm = LLM(model=target, **engine_kwargs(max_num_seqs), **settings)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.chat(eval_prompts(1), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    rows = []
-    for r in concurrency:
-        before = spec_counters(llm)
-        plugin_before = plugin_stats(llm)
-        waves = []
-        for _ in range(repeats):  # the median wave: a shared machine has slow moments
-            start = time.perf_counter()
-            outputs = llm.chat(eval_prompts(r), params, use_tqdm=False)
-            waves.append(time.perf_counter() - start)
-        wave = statistics.median(waves)
-        after = spec_counters(llm)
-        plugin = plugin_stats(llm)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
-        accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
-        verified = after.get("num_draft_tokens", 0) - before.get("num_draft_tokens", 0)
-        rows.append(
-            {
-                "concurrency": r,
-                "wave_seconds": wave,
-                "throughput_tok_s": tokens / wave,
-                "per_user_tok_s": max_tokens / wave,
-                "verified_drafts_per_step": verified / drafts if drafts else 0.0,
-                "accepted_length": 1.0 + accepted / drafts if drafts else 1.0,
-                "wave_spread_seconds": [min(waves), max(waves)],
-                **plugin_delta(plugin_before, plugin),
-            }
-        )
-        print(f"  R={r:3d}: {tokens / wave:7.1f} tok/s total, {max_tokens / wave:6.2f} tok/s per user", flush=True)
-    return rows
+    llm.chat(eval_prompts(1, prompt_set), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    conn.send({"spec": spec_counters(llm), "plugin": plugin_stats(llm)})
+    while (r := conn.recv()) is not None:
+        start = time.perf_counter()
+        outputs = llm.chat(eval_prompts(r, prompt_set), params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        conn.send({"seconds": seconds, "decode": decode_tok_s(outputs), "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+                   "spec": spec_counters(llm), "plugin": plugin_stats(llm)})
+
+
+def wave_order(names: list[str], repeat: int) -> list[str]:
+    """The configurations' turn in one round of waves, rotated every repeat."""
+    shift = repeat % max(1, len(names))
+    return names[shift:] + names[:shift]
+
+
+def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict) -> dict:
+    """One row of the table from a configuration's waves at concurrency r."""
+    seconds = [w["seconds"] for w in waves]
+    wave = statistics.median(seconds)
+    after = waves[-1]
+    delta = {key: after["spec"].get(key, 0) - before["spec"].get(key, 0) for key in ("num_drafts", "num_accepted_tokens", "num_draft_tokens")}
+    drafts = delta["num_drafts"]
+    return {
+        "concurrency": r,
+        "wave_seconds": wave,
+        "throughput_tok_s": waves[0]["tokens"] / wave,
+        "per_user_tok_s": max_tokens / wave,
+        "decode_tok_s_per_user": statistics.median(w["decode"] for w in waves),
+        "verified_drafts_per_step": delta["num_draft_tokens"] / drafts if drafts else 0.0,
+        "accepted_length": 1.0 + delta["num_accepted_tokens"] / drafts if drafts else 1.0,
+        "wave_spread_seconds": [min(seconds), max(seconds)],
+        **plugin_delta(before["plugin"], after["plugin"]),
+    }
+
+
+def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], max_tokens: int, repeats: int,
+                    prompt_set: str) -> dict[str, list[dict]]:
+    """Every configuration's engine alive at once; waves taken in turn."""
+    context = multiprocessing.get_context("spawn")
+    engines = {}
+    try:
+        for name, settings in plan.items():  # started one at a time: start-up is CPU-heavy too
+            print(f"starting {name}", flush=True)
+            ours, theirs = context.Pipe()
+            process = context.Process(target=serve_waves, args=(theirs, target, settings, max(concurrency), max_tokens, prompt_set))
+            process.start()
+            engines[name] = (process, ours, ours.recv())
+        results: dict[str, list[dict]] = {name: [] for name in plan}
+        for r in concurrency:
+            waves: dict[str, list[dict]] = {name: [] for name in plan}
+            before = {name: last for name, (_, _, last) in engines.items()}
+            for repeat in range(repeats):
+                for name in wave_order(list(plan), repeat):
+                    process, conn, _ = engines[name]
+                    conn.send(r)
+                    waves[name].append(conn.recv())
+            for name in plan:
+                process, conn, _ = engines[name]
+                engines[name] = (process, conn, waves[name][-1])
+                row = summarize_waves(r, max_tokens, waves[name], before[name])
+                results[name].append(row)
+                print(f"  {name}, R={r:3d}: {row['throughput_tok_s']:7.1f} tok/s total, {row['per_user_tok_s']:6.2f} "
+                      f"tok/s per user, {row['decode_tok_s_per_user']:6.2f} decode tok/s per user", flush=True)
+        return results
+    finally:
+        for process, conn, _ in engines.values():
+            conn.send(None)
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
 
 
 def plugin_stats(llm) -> dict | None:
@@ -152,27 +234,31 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         "# Serving frontier (real engine, CPU)",
         "",
         f"Target {meta['target']}, drafter {meta['drafter']}, K = {meta['k']}, {meta['max_tokens']} output "
-        f"tokens per request (greedy, ignore_eos), chat prompts from gsm8k/humaneval/mt-bench, "
+        f"tokens per request (greedy, ignore_eos), {meta.get('prompt_set', 'mixed')} prompts "
+        f"({', '.join(PROMPT_SETS[meta.get('prompt_set', 'mixed')])}), prefix caching off, "
         f"median wave of {meta.get('repeats', 1)}. "
         f"Measured {meta['date']} on {meta['hardware']}; machine shared with other jobs, so compare "
-        "rows within one run. `dspark, drafting all K` is the dspark policy with `adaptive_drafting: false` "
+        "rows within one run (waves interleaved across configurations). `dspark, drafting all K` is the dspark policy with `adaptive_drafting: false` "
         "(the lever A/B); `reduced vocabulary` rows serve the same drafter with its LM head cut to "
         f"{meta.get('reduced_vocab', '?')} tokens (`vllm-dspark reduce-vocab`).",
         "",
-        "| configuration | R | system tok/s | per-user tok/s (min-max wave) | vs no-spec | accepted length (steps with drafts) "
-        "| verified drafts/step | steps without drafting | mean draft depth | drafting ms/step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | R | system tok/s | per-user tok/s (min-max wave) | vs no-spec | decode tok/s per user | vs no-spec "
+        "| accepted length (steps with drafts) | verified drafts/step | steps without drafting | mean draft depth | drafting ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    plain = {row["concurrency"]: row["per_user_tok_s"] for row in results.get("no-spec", [])}
+    plain = {row["concurrency"]: row for row in results.get("no-spec", [])}
     for name, rows in results.items():
         for row in rows:
             fastest, slowest = (meta["max_tokens"] / w for w in row["wave_spread_seconds"])
-            ratio = f"{row['per_user_tok_s'] / plain[row['concurrency']]:.2f}x" if row["concurrency"] in plain else "-"
+            base = plain.get(row["concurrency"])
+            ratio = f"{row['per_user_tok_s'] / base['per_user_tok_s']:.2f}x" if base else "-"
+            decode = row.get("decode_tok_s_per_user", float("nan"))
+            decode_ratio = f"{decode / base['decode_tok_s_per_user']:.2f}x" if base and "decode_tok_s_per_user" in base else "-"
             drafting = (f"{row['steps_without_drafting']:.0%} | {row['mean_draft_depth']:.2f} | {row['drafting_ms_per_step']:.1f}"
                         if "mean_draft_depth" in row else "- | - | -")
             lines.append(
                 f"| {name} | {row['concurrency']} | {row['throughput_tok_s']:.1f} | {row['per_user_tok_s']:.2f} "
-                f"({slowest:.2f}-{fastest:.2f}) | {ratio} | {row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} | {drafting} |"
+                f"({slowest:.2f}-{fastest:.2f}) | {ratio} | {decode:.2f} | {decode_ratio} | {row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} | {drafting} |"
             )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
@@ -203,6 +289,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3, help="waves per concurrency; the median is reported")
+    parser.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="mixed", help="eval prompt set")
     parser.add_argument("--only", nargs="+", default=None, help="run only these configurations")
     parser.add_argument("--sps-profile", default=None, help="SPS profile JSON (default: ENVIRONMENT.md table)")
     parser.add_argument("--out", type=Path, default=RESULTS / "serve_frontier")
@@ -216,21 +303,15 @@ def main() -> int:
     target = args.target or str(smollm2_checkpoint())
     sps = [list(p) for p in SpsCurve.load(args.sps_profile).points] if args.sps_profile else DEFAULT_SPS
     configs = configurations(args.drafter, args.k, sps, args.reduced_drafter)
-    results = {}
-    for name, settings in configs.items():
-        if args.only and name not in args.only:
-            continue
-        print(f"{name}:", flush=True)
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            results[name] = pool.apply(
-                run_configuration, (target, settings, args.concurrency, args.max_tokens, args.repeats)
-            )
+    plan = {name: settings for name, settings in configs.items() if not args.only or name in args.only}
+    results = run_interleaved(target, plan, args.concurrency, args.max_tokens, args.repeats, args.prompts)
     meta = {
         "target": target,
         "drafter": args.drafter,
         "k": args.k,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
+        "prompt_set": args.prompts,
         "sps": sps,
         "reduced_drafter": args.reduced_drafter,
         "reduced_vocab": (json.loads((Path(args.reduced_drafter) / "config.json").read_text())["draft_vocab_size"]

@@ -25,6 +25,8 @@ SPS_TABLE = [[1, 100.0], [5, 97.0], [10, 90.0], [15, 70.0], [20, 50.0], [40, 25.
 # For tests of the policies' decisions: the curve as given, not corrected by how long this
 # machine's steps take (which would make the expected pruning depend on the machine).
 AS_GIVEN = {"sps_table": SPS_TABLE, "measure_step_overhead": False}
+# For tests of what the drafter's own confidences and lengths do: no n-gram proposals.
+DRAFTER_ONLY = {"hybrid_ngram": False}
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +142,7 @@ def test_online_recalibration_corrects_miscalibrated_drafts(tiny_target, fitted_
     ones, with outputs still exact."""
     errors, shifts = {}, {}
     for recalibrate in (False, True):
-        options = {"vllm_dspark": {"policy": "fixed", "recalibrate": recalibrate, "recalibration_rate": 0.6}}
+        options = {"vllm_dspark": {"policy": "fixed", "recalibrate": recalibrate, "recalibration_rate": 0.6, **DRAFTER_ONLY}}
         llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
         stats = engine_scheduler(llm).controller.stats
         assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline  # warm-up round
@@ -220,7 +222,7 @@ def test_sla_priority_from_request_extra_args(tiny_target, baseline, tmp_path):
     drafter = make_drafter(tiny_target, tmp_path / "drafter")
     fit_markov_to_transitions(drafter, tiny_target, [p + o for p, o in zip(PROMPTS, baseline)], confidence_gain=4.0)
 
-    options = {"vllm_dspark": {"policy": "sla", **AS_GIVEN, "min_tokens_per_s": 0.0}}
+    options = {"vllm_dspark": {"policy": "sla", **AS_GIVEN, **DRAFTER_ONLY, "min_tokens_per_s": 0.0}}
 
     def mean_verified_per_prompt(floors: dict[int, float]) -> list[float]:
         llm = make_llm(tiny_target, spec_config(drafter), options)
@@ -246,7 +248,7 @@ def test_sla_priority_from_request_extra_args(tiny_target, baseline, tmp_path):
 def test_nan_confidences_fall_back_safely(tiny_target, fitted_drafter, baseline):
     """NaN confidences (a broken confidence head) are replaced by 0: nothing is verified,
     the engine keeps running and outputs stay exact."""
-    options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}}
+    options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE, **DRAFTER_ONLY}}
     llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     original = runner.drafter.take_confidences
@@ -280,7 +282,7 @@ def test_dspark_async_admission_runs_through_the_kernel_entry_point(tiny_target,
 
     monkeypatch.setattr(scheduler_module, "admission_device", lambda: torch.device("cpu"))
     monkeypatch.setattr(dispatch, "admission_lengths", spy)
-    options = {"vllm_dspark": {"policy": "dspark_async", **AS_GIVEN}}
+    options = {"vllm_dspark": {"policy": "dspark_async", **AS_GIVEN, **DRAFTER_ONLY}}
     llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
     decisions = record_decisions(llm)
     assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
@@ -294,7 +296,7 @@ def test_dspark_async_admission_runs_through_the_kernel_entry_point(tiny_target,
 def test_waiting_prompts_count_in_the_pass_size(tiny_target, fitted_drafter):
     """With two sequence slots for five requests, a freed slot admits a waiting prompt into
     the same pass as the verification tokens; the policy must see those tokens in B."""
-    options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}}
+    options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE, **DRAFTER_ONLY}}
     llm = make_llm(tiny_target, spec_config(fitted_drafter), options, max_num_seqs=2)
     decisions = record_decisions(llm)
     generate_ids(llm, PROMPTS, MAX_TOKENS)
@@ -312,7 +314,7 @@ def test_scheduler_learns_the_step_time_the_profile_lacks(tiny_target, fitted_dr
     measure = case != "switched_off"
     # Raw confidences: recalibrated ones make this drafter verify (and accept) more per step,
     # which leaves too few steps to learn from in a 24-token run.
-    plugin = {"policy": "dspark", "sps_table": table, "measure_step_overhead": measure, "recalibrate": False}
+    plugin = {"policy": "dspark", "sps_table": table, "measure_step_overhead": measure, "recalibrate": False, **DRAFTER_ONLY}
     llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": plugin})
     assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
     controller = engine_scheduler(llm).controller
@@ -328,3 +330,41 @@ def test_scheduler_learns_the_step_time_the_profile_lacks(tiny_target, fitted_dr
     else:
         assert controller.step_overhead.seconds < -0.5
         assert learned == pytest.approx(-0.5, rel=0.06), "clamped at half the fastest profiled step"
+
+
+# Prompts that repeat themselves, so the n-gram lookup finds continuations.
+REPEATING = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [100, 200, 300, 100, 200, 300, 100], [9, 9, 9, 9, 9, 9]]
+
+
+@pytest.mark.parametrize("drafter_drafts", [True, False], ids=["drafting", "never-drafting"])
+def test_hybrid_proposals_keep_greedy_outputs_and_are_counted_by_source(tiny_target, fitted_drafter, drafter_drafts):
+    """With the n-gram lookup on, greedy outputs equal plain decoding's, n-gram drafts are
+    verified and accepted (also when the controller plans no drafting at all), vLLM's
+    counters agree with the plugin's, and Prometheus splits the counts by source."""
+    from vllm_dspark.scheduling.controller import DraftPlan
+
+    plain = generate_ids(make_llm(tiny_target), REPEATING, MAX_TOKENS)
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": {"policy": "fixed", "hybrid_ngram": True}})
+    controller = engine_scheduler(llm).controller
+    if not drafter_drafts:
+        controller.plan_drafting = lambda num_requests: DraftPlan(0, 0.0)
+    assert generate_ids(llm, REPEATING, MAX_TOKENS) == plain
+    stats = controller.stats
+    counters = spec_counters(llm)
+    assert stats.ngram_verified > 0 and stats.ngram_accepted > 0
+    assert (stats.ngram_proposed < stats.proposed) == drafter_drafts
+    assert stats.drafting_seconds > 0.0, "the drafter's cost reports still reach the controller"
+    assert counters["num_draft_tokens"] == stats.verified
+    assert counters["num_accepted_tokens"] == stats.accepted
+    from vllm_dspark.integration.metrics import metric_families
+
+    samples = {(s.labels["source"], s.labels["stage"]): s.value for f in metric_families({0: stats})
+               if f.name == "vllm_dspark_source_draft_tokens" for s in f.samples}
+    assert samples[("ngram", "accepted")] == stats.ngram_accepted
+    assert samples[("drafter", "verified")] + samples[("ngram", "verified")] == stats.verified
+
+
+def test_hybrid_off_proposes_no_ngram_drafts(tiny_target, fitted_drafter):
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": {"policy": "fixed", "hybrid_ngram": False}})
+    generate_ids(llm, REPEATING, MAX_TOKENS)
+    assert engine_scheduler(llm).controller.stats.ngram_proposed == 0

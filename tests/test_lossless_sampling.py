@@ -27,15 +27,15 @@ def chi_square_p_value(statistic: float, dof: int) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def exact_pair_distribution(target: Path) -> dict[tuple[int, int], float]:
+def exact_pair_distribution(target: Path, prompt: list[int] = PROMPT) -> dict[tuple[int, int], float]:
     """P(first two output tokens) of the target at temperature 1."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float64)
     with torch.no_grad():
-        first = torch.softmax(model(torch.tensor([PROMPT])).logits[0, -1], -1)
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
         vocab = first.shape[0]
-        batch = torch.tensor([PROMPT + [x] for x in range(vocab)])
+        batch = torch.tensor([prompt + [x] for x in range(vocab)])
         second = torch.softmax(model(batch).logits[:, -1], -1)
     joint = first[:, None] * second
     return {(a, b): float(joint[a, b]) for a in range(vocab) for b in range(vocab)}
@@ -99,6 +99,34 @@ def test_dspark_policy_keeps_target_distribution(peaked_target: Path, tmp_path: 
     assert stats.lm_head_rows < stats.proposed
     assert goodness_of_fit(baseline, exact) > 1e-3
     assert goodness_of_fit(speculative, exact) > 1e-3
+
+
+# The prompt repeats itself, so the n-gram lookup proposes from the first decode step on.
+REPEATING_PROMPT = [11, 22, 33, 44, 11, 22, 33, 44, 11, 22, 33]
+
+
+def test_hybrid_ngram_proposals_keep_target_distribution(peaked_target: Path, tmp_path: Path):
+    """N-gram continuations verified as point masses beside the drafter's blocks leave the
+    first two output tokens distributed as the target's (T = 1). The learned choice would
+    mostly keep this drafter's blocks; to test the mix, every other batch row with a
+    continuation takes it (a choice that reads nothing drawn, as the real one)."""
+    exact = exact_pair_distribution(peaked_target, REPEATING_PROMPT)
+    drafter = make_drafter(peaked_target, tmp_path / "drafter", block_size=4)
+    llm = make_llm(
+        peaked_target,
+        {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": 4},
+        {"vllm_dspark": {"policy": "fixed", "hybrid_ngram": True}},
+        max_num_seqs=64,
+    )
+    from tests.tiny_models import engine_scheduler
+
+    controller = engine_scheduler(llm).controller
+    controller.prefer_ngram = lambda first, greedy, proposals, depth: (proposals.lengths > 0) & (np.arange(len(first)) % 2 == 0)
+    samples = [(o[0], o[1]) for o in _sample_many(llm, [REPEATING_PROMPT] * SAMPLES)]
+    stats = controller.stats
+    assert stats.ngram_verified > 200 and stats.ngram_accepted > 50, stats.summary()
+    assert stats.ngram_proposed < stats.proposed, "both sources must be in play"
+    assert goodness_of_fit(samples, exact) > 1e-3
 
 
 def _sample_many(llm, prompts: list[list[int]]) -> list[list[int]]:

@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
-    # `serve` forwards everything to vLLM's own CLI untouched.
-    if args_list[:1] == ["serve"]:
+    # `serve` and `bench` forward everything to vLLM's own CLI untouched.
+    if args_list[:1] in (["serve"], ["bench"]):
         from vllm_dspark.serve import run_vllm_cli
 
         return run_vllm_cli(args_list)

@@ -203,6 +203,10 @@ class PluginOptions(BaseModel):
     # deep to draft, and let the drafter stop a request once no policy would verify more
     # of it (scheduling/controller.py); false drafts all K positions every step.
     adaptive_drafting: bool = True
+    # Also propose, per request, the continuation of the longest earlier match of its own
+    # context (prompt lookup); the scheduler takes whichever proposal expects more accepted
+    # tokens and ranks both sources under one budget (scheduling/hybrid.py).
+    hybrid_ngram: bool = True
     log_interval_s: float = Field(default=10.0, gt=0)
 
     @model_validator(mode="after")

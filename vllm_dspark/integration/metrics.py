@@ -58,6 +58,19 @@ def _engine_families(engine: int, stats: DSparkStats) -> list:
         family = CounterMetricFamily(f"vllm_dspark_{name}", doc, labels=labels)
         family.add_metric(values, value)
         families.append(family)
+    by_source = CounterMetricFamily(
+        "vllm_dspark_source_draft_tokens",
+        "Draft tokens by proposal source (drafter, ngram) and stage (proposed, verified, accepted)",
+        labels=[*labels, "source", "stage"],
+    )
+    for source, proposed, verified, accepted in [
+        ("drafter", stats.proposed - stats.ngram_proposed, stats.verified - stats.ngram_verified,
+         stats.accepted - stats.ngram_accepted),
+        ("ngram", stats.ngram_proposed, stats.ngram_verified, stats.ngram_accepted),
+    ]:
+        for stage, value in (("proposed", proposed), ("verified", verified), ("accepted", accepted)):
+            by_source.add_metric([*values, source, stage], value)
+    families.append(by_source)
     gauge = GaugeMetricFamily(
         "vllm_dspark_calibration_error",
         "Mean predicted survival minus observed acceptance over verified drafts since start",

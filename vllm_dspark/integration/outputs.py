@@ -11,10 +11,15 @@ from dataclasses import dataclass
 import numpy as np
 from vllm.v1.outputs import DraftTokenIds
 
+from vllm_dspark.scheduling.hybrid import NgramProposals
+
 
 # Attribute of vLLM's SchedulerOutput carrying the drafting early-stop survival from the
 # scheduler to the worker (with the object in-process, by pickle to worker processes).
 MIN_SURVIVAL_FIELD = "vllm_dspark_min_survival"
+# Attribute of SchedulerOutput: the requests whose scheduled drafts are n-gram continuations,
+# verified as point masses (probability 1 on each proposed token).
+POINT_MASS_FIELD = "vllm_dspark_point_mass"
 
 
 @dataclass
@@ -32,3 +37,5 @@ class DraftTokenIdsWithConfidence(DraftTokenIds):
     # aligned with `req_ids`; None when the drafter did not run this step.
     confidences: np.ndarray | None = None
     report: DraftReport | None = None
+    # Hybrid: each request's n-gram continuation (rows aligned with `req_ids`).
+    ngram: NgramProposals | None = None

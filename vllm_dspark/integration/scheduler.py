@@ -1,6 +1,9 @@
 """Scheduler subclass: the adapter between vLLM's V1 scheduler and the verification controller.
 
-Drafts arrive with their confidences (`update_draft_token_ids`). Before the parent
+Drafts arrive with their confidences (`update_draft_token_ids`), with the hybrid option
+also each request's n-gram continuation; the controller picks one proposal per request
+and the n-gram picks are marked on the scheduler output (`POINT_MASS_FIELD`), so the
+worker verifies them as point masses. Before the parent
 schedules, the controller decides how many drafts each decoding request verifies and
 `spec_token_ids` is cut to that length, so dropped drafts never reach the token budget,
 the KV cache or the verifier. After the step, the tokens each request emitted go back to
@@ -24,7 +27,7 @@ from vllm.v1.request import Request
 from vllm_dspark.config import PluginOptions
 from vllm_dspark.integration import compat
 from vllm_dspark.integration.metrics import attach_stats
-from vllm_dspark.integration.outputs import MIN_SURVIVAL_FIELD
+from vllm_dspark.integration.outputs import MIN_SURVIVAL_FIELD, POINT_MASS_FIELD
 from vllm_dspark.kernels import dispatch
 from vllm_dspark.scheduling.controller import StepInputs, VerificationController
 from vllm_dspark.scheduling.policies import Admission, admit_top_budget
@@ -54,6 +57,8 @@ class DSparkScheduler(Scheduler):
         )
         # The last drafts' confidences: one [N, K] array and the row of each request.
         self._confidences: tuple[dict[str, int], np.ndarray] | None = None
+        # Requests whose pending proposal is an n-gram continuation -> its match length.
+        self._ngram_matches: dict[str, int] = {}
         self._last_log = self._last_snapshot = time.monotonic()
         logger.info(
             "vllm_dspark scheduler: policy=%s%s, survival-ranked admission on %s",
@@ -81,14 +86,36 @@ class DSparkScheduler(Scheduler):
 
     # ----------------------------------------------------------- drafts in
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
-        super().update_draft_token_ids(draft_token_ids)
         confidences = getattr(draft_token_ids, "confidences", None)
+        report = getattr(draft_token_ids, "report", None)
+        proposals = getattr(draft_token_ids, "ngram", None)
+        if proposals is not None and self.controller.ngram is not None:
+            draft_token_ids = self._choose_proposals(draft_token_ids, confidences, proposals)
+        super().update_draft_token_ids(draft_token_ids)
         if confidences is not None:
             rows = {req_id: row for row, req_id in enumerate(draft_token_ids.req_ids)}
             self._confidences = (rows, np.asarray(confidences))
-        report = getattr(draft_token_ids, "report", None)
         if report is not None:
             self.controller.observe_drafting(len(draft_token_ids.req_ids), report.depth, report.lm_head_rows, report.seconds)
+
+    def _choose_proposals(self, drafts: DraftTokenIds, confidences: np.ndarray | None, proposals) -> DraftTokenIds:
+        """Each request's drafter block or its n-gram continuation, as the controller
+        prefers (from the drafter's first confidence and the match, nothing drawn)."""
+        req_ids = drafts.req_ids
+        confidences = None if confidences is None else np.asarray(confidences)
+        depth = 0 if confidences is None else confidences.shape[1]
+        first = confidences[:, 0] if depth else np.zeros(len(req_ids))
+        greedy = np.array([_is_greedy(self.requests[r]) if r in self.requests else True for r in req_ids], dtype=bool)
+        chosen = self.controller.prefer_ngram(first, greedy, proposals, depth)
+        lists = list(drafts.draft_token_ids)
+        for row, req_id in enumerate(req_ids):
+            request = self.requests.get(req_id)
+            if chosen[row] and request is not None and not request.is_finished():  # as the parent skips them
+                lists[row] = proposals.tokens[row, : proposals.lengths[row]].tolist()
+                self._ngram_matches[req_id] = int(proposals.matches[row])
+            else:
+                self._ngram_matches.pop(req_id, None)
+        return DraftTokenIds(req_ids, lists)
 
     def add_request(self, request: Request) -> None:
         extra = request.sampling_params.extra_args if request.sampling_params else None
@@ -104,6 +131,9 @@ class DSparkScheduler(Scheduler):
         started = time.perf_counter()
         self.controller.step_started(started)
         drafting = [r for r in self.running if r.spec_token_ids]
+        if self._ngram_matches:  # entries of finished or preempted requests go
+            self._ngram_matches = {r.request_id: self._ngram_matches[r.request_id] for r in drafting
+                                   if r.request_id in self._ngram_matches}
         if drafting:
             decision = self.controller.decide(self._step_inputs(drafting))
             for request, keep in zip(drafting, decision.verified):
@@ -113,6 +143,7 @@ class DSparkScheduler(Scheduler):
         output = super().schedule(*args, **kwargs)
         scheduled = {req_id: len(ids) for req_id, ids in output.scheduled_spec_decode_tokens.items()}
         self.controller.step_scheduled(started, output.total_num_scheduled_tokens, scheduled)
+        setattr(output, POINT_MASS_FIELD, frozenset(r for r in scheduled if r in self._ngram_matches))
         # How the worker drafts after this step (vLLM's dynamic speculation field).
         plan = self.controller.plan_drafting(len(output.num_scheduled_tokens))
         output.num_spec_tokens_to_schedule = plan.depth
@@ -123,12 +154,11 @@ class DSparkScheduler(Scheduler):
         proposed = np.array([len(r.spec_token_ids) for r in drafting], dtype=np.int64)
         width = int(proposed.max())
         confidences = np.zeros((len(drafting), width))
-        missing = len(drafting)
+        found = np.zeros(len(drafting), dtype=bool)
         if self._confidences is not None:
             rows, matrix = self._confidences
             index = np.array([rows.get(r.request_id, -1) for r in drafting])
             found = index >= 0
-            missing = int((~found).sum())
             cols = min(width, matrix.shape[1])
             confidences[found, :cols] = matrix[index[found], :cols]
         # validate_tokens may have shortened the drafts: no confidence beyond a request's own.
@@ -137,6 +167,10 @@ class DSparkScheduler(Scheduler):
         if self.controller.policy.uses_request_floors:
             default = self.controller.options.min_tokens_per_s
             floors = np.array([request_floor(_extra_args(r), default) for r in drafting])
+        matches = None
+        if self._ngram_matches:
+            matches = np.array([self._ngram_matches.get(r.request_id, 0) for r in drafting], dtype=np.int64)
+        drafter_rows = np.ones(len(drafting), dtype=bool) if matches is None else matches == 0
         return StepInputs(
             req_ids=tuple(r.request_id for r in drafting),
             confidences=confidences,
@@ -144,7 +178,8 @@ class DSparkScheduler(Scheduler):
             greedy=np.array([_is_greedy(r) for r in drafting], dtype=bool),
             base_tokens=self._non_draft_tokens(),
             min_tokens_per_s=floors,
-            missing=missing,
+            missing=int((drafter_rows & ~found).sum()),  # n-gram rows have no drafter confidences
+            ngram_matches=matches,
         )
 
     def _non_draft_tokens(self) -> int:

@@ -11,9 +11,13 @@ reads is in `compat.py`). Each patch is idempotent and applies in every vLLM pro
 3. `use_dflash()` / `use_eagle()` answer True for "vllm_dspark", which turns on
    hidden-state capture, the draft KV cache, lookahead slots and the proposer branch.
 4. The V1 runner's `DFlashProposer` name resolves to `DSparkProposer`.
-5. `GPUModelRunner.take_draft_token_ids` attaches the proposer's confidences and its
-   cost report; `GPUModelRunner.propose_draft_token_ids` hands the proposer the early-stop
-   survival the scheduler put on the scheduler output (`MIN_SURVIVAL_FIELD`).
+5. `GPUModelRunner.take_draft_token_ids` attaches the proposer's confidences, its cost
+   report and (hybrid option) each request's n-gram continuation, looked up in the input
+   batch's token ids once the step's tokens are in; `propose_draft_token_ids` hands the
+   proposer the early-stop survival the scheduler put on the scheduler output
+   (`MIN_SURVIVAL_FIELD`); `execute_model` reads the requests whose drafts are n-gram
+   continuations (`POINT_MASS_FIELD`) and `_get_spec_decode_draft_probs` gives those rows
+   the point mass on the proposed token as the rejection sampler's draft distribution.
 6. `EngineArgs.create_engine_config` installs the `DSparkScheduler` for this method,
    validates the plugin options at start-up and, if asked, profiles SPS(B) before the
    engine starts.
@@ -127,10 +131,14 @@ def _adapt_draft_config(spec_config) -> None:
 
 
 def _patch_model_runner() -> None:
+    import numpy as np
+    import torch
     from vllm.v1.worker import gpu_model_runner
 
-    from vllm_dspark.integration.outputs import MIN_SURVIVAL_FIELD, DraftTokenIdsWithConfidence
+    from vllm_dspark.config import PluginOptions
+    from vllm_dspark.integration.outputs import MIN_SURVIVAL_FIELD, POINT_MASS_FIELD, DraftTokenIdsWithConfidence
     from vllm_dspark.integration.proposer import DSparkProposer
+    from vllm_dspark.scheduling.hybrid import lookup_continuations
 
     gpu_model_runner.DFlashProposer = DSparkProposer
     runner_cls = gpu_model_runner.GPUModelRunner
@@ -147,7 +155,54 @@ def _patch_model_runner() -> None:
             return None
         if confidences is not None:
             confidences = confidences[: len(drafts.req_ids)]
-        return DraftTokenIdsWithConfidence(drafts.req_ids, drafts.draft_token_ids, confidences, report)
+        ngram = None
+        if _hybrid_ngram(self):
+            batch = self.input_batch
+            rows = [batch.req_id_to_index[req_id] for req_id in drafts.req_ids]
+            ngram = lookup_continuations(batch.token_ids_cpu, batch.num_tokens_no_spec, rows,
+                                         self.num_spec_tokens, self.max_model_len)
+        return DraftTokenIdsWithConfidence(drafts.req_ids, drafts.draft_token_ids, confidences, report, ngram)
+
+    def _hybrid_ngram(runner) -> bool:
+        if not hasattr(runner, "_vllm_dspark_hybrid"):
+            options = PluginOptions.from_additional_config(runner.vllm_config.additional_config)
+            runner._vllm_dspark_hybrid = options.hybrid_ngram
+        return runner._vllm_dspark_hybrid
+
+    original_execute = runner_cls.execute_model
+
+    @functools.wraps(original_execute)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        self._vllm_dspark_point_mass = getattr(scheduler_output, POINT_MASS_FIELD, frozenset())
+        return original_execute(self, scheduler_output, *args, **kwargs)
+
+    original_draft_probs = runner_cls._get_spec_decode_draft_probs
+
+    @functools.wraps(original_draft_probs)
+    def _get_spec_decode_draft_probs(self, spec_decode_metadata):
+        """The drafter's distributions, with the point mass on the proposed token for the
+        requests verifying an n-gram continuation. Without cached drafter distributions
+        (greedy drafts only, or no drafting this step) vLLM's rejection sampler already
+        treats every draft as a point mass."""
+        point_mass = getattr(self, "_vllm_dspark_point_mass", frozenset())
+        if not point_mass or self._draft_probs is None:
+            return original_draft_probs(self, spec_decode_metadata)
+        row_by_req_id = {req_id: row for row, req_id in enumerate(self._draft_prob_req_ids or [])}
+        vocab = self._draft_probs.shape[-1]
+        offsets = np.cumsum([0, *spec_decode_metadata.num_draft_tokens])
+        pieces = []
+        for index, (req_id, num_draft) in enumerate(zip(self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens)):
+            if num_draft == 0:
+                continue
+            if req_id in point_mass:
+                tokens = spec_decode_metadata.draft_token_ids[offsets[index]:offsets[index + 1]].long()
+                piece = torch.zeros(num_draft, vocab, dtype=self._draft_probs.dtype, device=self._draft_probs.device)
+                pieces.append(piece.scatter_(1, tokens[:, None], 1.0))
+            elif req_id in row_by_req_id:
+                pieces.append(self._draft_probs[row_by_req_id[req_id], :num_draft])
+            else:
+                return original_draft_probs(self, spec_decode_metadata)  # vLLM's own fallback and warning
+        return torch.cat(pieces, dim=0).contiguous() if pieces else None
 
     original_propose = runner_cls.propose_draft_token_ids
 
@@ -162,6 +217,8 @@ def _patch_model_runner() -> None:
 
     runner_cls.take_draft_token_ids = take_draft_token_ids
     runner_cls.propose_draft_token_ids = propose_draft_token_ids
+    runner_cls.execute_model = execute_model
+    runner_cls._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
 
 
 def _patch_engine_args() -> None:

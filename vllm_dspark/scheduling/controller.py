@@ -12,6 +12,8 @@ the verifications waiting for their outcome) and is driven through a small loop:
     plan_drafting(R)           how deep the next step drafts (0: not at all) and where the
                                drafter may stop a request early
     observe_drafting(report)   what that drafting cost -> the drafting cost model
+    prefer_ngram(...)          hybrid: which requests take their n-gram continuation
+                               instead of the drafter's block (scheduling/hybrid.py)
 
 The engine's scheduler (`integration/scheduler.py`) gathers the inputs from vLLM and
 applies the lengths; the simulator (`benchmarks/simulate_scheduling.py`) drives the very
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_dspark.config import PluginOptions
+from vllm_dspark.scheduling import hybrid
 from vllm_dspark.scheduling.overhead import StepOverheadEstimator, offset_for
 from vllm_dspark.scheduling.policies import (
     Admission,
@@ -109,6 +112,9 @@ class StepInputs:
     base_tokens: int = 0  # prefill tokens of other requests in the same pass
     min_tokens_per_s: np.ndarray | None = None  # [R] per-request speed floors (sla)
     missing: int = 0  # requests whose drafts came without confidences (rows of zeros)
+    # [R] matched suffix length where the proposal is an n-gram continuation, 0 where it
+    # is the drafter's (then `confidences` holds the drafter's row); None: no n-gram rows.
+    ngram_matches: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,7 @@ class _Pending:
     greedy: np.ndarray  # [R]
     verified: np.ndarray  # [R] as scheduled
     predicted: np.ndarray  # [R] expected accepted drafts (sum of calibrated survival)
+    ngram_matches: np.ndarray  # [R] as in StepInputs (0: a drafter proposal)
 
 
 def _flat_curve(batch_tokens: np.ndarray) -> np.ndarray:
@@ -170,11 +177,13 @@ class VerificationController:
             if options.recalibrate
             else {}
         )
+        self.ngram = hybrid.NgramConfidence(self.block) if options.hybrid_ngram and self.block else None
         self.stats = DSparkStats(policy=self.policy.name)
         self._applied_offset = 0.0
         self._previous_step: tuple[float, int] | None = None  # (start time, tokens in the pass)
-        # This step's decision with its prefix survival, raw confidences and greedy mask.
-        self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray, np.ndarray] | None = None
+        # This step's decision with its prefix survival, raw confidences, greedy mask and
+        # n-gram match lengths.
+        self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._pending: deque[_Pending | None] = deque(maxlen=MAX_IN_FLIGHT)
         # Drafting: its cost model, its recent measured time and the recent mean survival
         # per position (None until a drafted step was seen).
@@ -204,12 +213,18 @@ class VerificationController:
         self.stats.missing_confidences += step.missing
         raw = self._valid_confidences(step.confidences)
         confidences = self._recalibrated(raw, step.greedy)
+        matches = np.zeros(len(step.req_ids), dtype=np.int64) if step.ngram_matches is None else step.ngram_matches
+        ngram = matches > 0
+        if ngram.any() and self.ngram is not None:
+            # An n-gram row's confidences are its learned acceptance, not the drafter's.
+            width = confidences.shape[1]
+            confidences[ngram] = self.ngram.conditional(matches[ngram], step.proposed[ngram], step.greedy[ngram])[:, :width]
         policy_step = PolicyStep(confidences, self.policy_curve, step.base_tokens, step.min_tokens_per_s)
         verified = np.minimum(decide_lengths(self.policy, policy_step), step.proposed)
         decision = VerifyDecision(step.req_ids, step.proposed, verified, confidences, step.base_tokens)
         survival = np.cumprod(confidences, axis=1)
-        self._track_survival(survival)
-        self._decision = (decision, survival, raw, step.greedy)
+        self._track_survival(survival[~ngram])
+        self._decision = (decision, survival, raw, step.greedy, matches)
         return decision
 
     def step_scheduled(self, started: float, total_tokens: int, scheduled_drafts: dict[str, int] | None = None) -> None:
@@ -218,13 +233,13 @@ class VerificationController:
         (token budget, model length) and an unscheduled draft was never judged."""
         pending = None
         if self._decision is not None:
-            decision, survival, raw, greedy = self._decision
+            decision, survival, raw, greedy, matches = self._decision
             verified = decision.verified
             if scheduled_drafts is not None:
                 verified = np.minimum(verified, [scheduled_drafts.get(r, 0) for r in decision.req_ids])
             predicted = np.where(np.arange(survival.shape[1]) < verified[:, None], survival, 0.0).sum(axis=1)
-            self.stats.record_decision(decision.proposed, verified)
-            pending = _Pending(decision.req_ids, raw, greedy, verified, predicted)
+            self.stats.record_decision(decision.proposed, verified, matches > 0)
+            pending = _Pending(decision.req_ids, raw, greedy, verified, predicted, matches)
             self._decision = None
         self._pending.append(pending)
         self._previous_step = (started, total_tokens) if total_tokens else None
@@ -245,8 +260,13 @@ class VerificationController:
         accepted = np.clip(emitted - 1, 0, verified)
         self.stats.accepted += int(accepted.sum())
         self.stats.predicted_accepted += float(pending.predicted[verified > 0].sum())
+        ngram = pending.ngram_matches > 0
+        if ngram.any() and self.ngram is not None:
+            self.stats.ngram_accepted += int(accepted[ngram].sum())
+            judged = ngram & (verified > 0)
+            self.ngram.observe(pending.ngram_matches[judged], pending.greedy[judged], verified[judged], accepted[judged])
         for mode, recalibrator in self.recalibrators.items():
-            rows = pending.greedy == (mode == "greedy")
+            rows = (pending.greedy == (mode == "greedy")) & ~ngram
             if rows.any():
                 recalibrator.observe(pending.raw_confidences[rows], verified[rows], accepted[rows])
 
@@ -287,6 +307,21 @@ class VerificationController:
         weight = 1.0 if self.drafting_cost.samples == 1 else self.step_overhead.smoothing
         self.drafting_seconds += weight * (seconds - self.drafting_seconds)
         self.stats.record_drafting(lm_head_rows, seconds)
+
+    def prefer_ngram(
+        self, first_confidence: np.ndarray, greedy: np.ndarray, proposals: hybrid.NgramProposals, drafted_depth: int
+    ) -> np.ndarray:
+        """[R] True where a request should verify its n-gram continuation rather than the
+        drafter's block: `first_confidence` [R] is the drafter's raw c_1 (0 where it did not
+        draft), `drafted_depth` the depth planned for the drafts. Reads nothing the drafter
+        drew, so the choice keeps verification exact (scheduling/hybrid.py)."""
+        if self.ngram is None:
+            return np.zeros(len(greedy), dtype=bool)
+        raw = np.asarray(first_confidence, dtype=np.float64)[:, None]
+        raw = np.where(np.isfinite(raw) & (raw >= 0.0) & (raw <= 1.0), raw, 0.0)  # decide() counts bad ones
+        first = self._recalibrated(raw, greedy)[:, 0]
+        conditional = self.ngram.conditional(proposals.matches, proposals.lengths, greedy)
+        return (proposals.lengths > 0) & hybrid.prefer_ngram(conditional, first, drafted_depth, self.mean_survival)
 
     def _track_survival(self, prefix_survival: np.ndarray) -> None:
         """Mean calibrated prefix survival per position of the requests drafting now."""

@@ -37,6 +37,10 @@ class DSparkStats:
     draft_depth_counts: list[int] = field(default_factory=list)
     lm_head_rows: int = 0
     drafting_seconds: float = 0.0
+    # The part of proposed / verified / accepted that came from n-gram lookups (hybrid).
+    ngram_proposed: int = 0
+    ngram_verified: int = 0
+    ngram_accepted: int = 0
 
     @property
     def pruned(self) -> int:
@@ -48,10 +52,15 @@ class DSparkStats:
         (0 = calibrated, > 0 = over-confident)."""
         return (self.predicted_accepted - self.accepted) / max(1, self.verified)
 
-    def record_decision(self, proposed: np.ndarray, verified: np.ndarray) -> None:
+    def record_decision(self, proposed: np.ndarray, verified: np.ndarray, ngram: np.ndarray | None = None) -> None:
+        """One step: drafts proposed and verified per request; `ngram` [R] bool marks the
+        requests whose proposal came from the n-gram lookup."""
         self.steps += 1
         self.proposed += int(proposed.sum())
         self.verified += int(verified.sum())
+        if ngram is not None:
+            self.ngram_proposed += int(proposed[ngram].sum())
+            self.ngram_verified += int(verified[ngram].sum())
         self.verified_requests += len(verified)
         width = max(int(proposed.max(initial=0)) + 1, len(self.verified_length_counts))
         counts = np.bincount(verified.astype(np.int64), minlength=width)
@@ -78,6 +87,8 @@ class DSparkStats:
             f"beyond the SPS profile {self.step_overhead_ms:.1f} ms, draft depth per step "
             f"{self.draft_depth_counts} (index = depth), {self.lm_head_rows} LM-head rows, "
             f"{self.drafting_seconds:.1f} s drafting"
+            + (f", n-gram drafts proposed {self.ngram_proposed}, verified {self.ngram_verified}, "
+               f"accepted {self.ngram_accepted}" if self.ngram_proposed else "")
             + "".join(
                 f", {mode} confidence recalibration: slopes {[round(x, 2) for x in self.confidence_slopes[mode]]} "
                 f"shifts {[round(x, 2) for x in shifts]}"

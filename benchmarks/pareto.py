@@ -1,0 +1,155 @@
+"""The benchmark engineers run: vLLM's own `bench sweep serve` over serving configurations
+x max concurrency, then `bench sweep plot_pareto`, then a Markdown summary.
+
+    python benchmarks/pareto.py --reduced-drafter runs/dspark-v8192          # everything
+    python benchmarks/pareto.py --prompts code --concurrency 1 4 16 --only no-spec "fixed-k1 (MTP-1-like)" dspark
+
+Each configuration gets its own `vllm-dspark serve` (vLLM's server; started and stopped
+by vLLM's sweep), each max concurrency one `vllm-dspark bench serve` run on a dataset of
+eval prompts (`custom` format, the chat template applied by the client, output lengths
+drawn from SmolLM2's own response lengths for that domain in the committed corpus, greedy,
+`--ignore-eos`). Results stay as vLLM writes them, under
+`benchmarks/results/bench_serve/<experiment>/`, plus vLLM's Pareto plot (tokens/s per user
+against output tokens/s) and `summary.md`: per-user speed at matched load against fixed
+k=1 (the MTP-1 analogue: our drafter verifying one token per step) and against no
+speculation, acceptance length from vLLM's "Speculative Decoding" section, TTFT and TPOT.
+The configurations are serve_frontier.py's (one home); prefix caching is off for the
+reason given there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_frontier import DEFAULT_SPS, PROMPT_SETS, configurations  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results" / "bench_serve"
+CORPUS = REPO / "examples" / "drafters" / "corpus" / "smollm2-generated.jsonl.xz"
+# Which corpus domain gives each prompt set its output lengths.
+LENGTH_DOMAIN = {"code": "code", "chat": "chat", "mixed": None}
+ROWS = ["no-spec", "ngram-k3", "fixed-k1 (MTP-1-like)", "fixed-k3", "fixed-k7", "dspark", "dspark_async",
+        "sla, 8 tok/s floor", "sla, 16 tok/s floor", "dspark + n-gram"]
+BASELINE, MTP1 = "no-spec", "fixed-k1 (MTP-1-like)"
+
+
+def write_dataset(prompt_set: str, out: Path, max_output: int, seed: int = 0) -> Path:
+    """Eval prompts as a `custom` dataset; output lengths sampled from the corpus."""
+    from vllm_dspark.evaluation.dataset import default_eval_dir
+
+    domain = LENGTH_DOMAIN[prompt_set]
+    with lzma.open(CORPUS, "rt") as handle:
+        lengths = [r["response_tokens"] for r in map(json.loads, handle) if domain in (None, r["domain"])]
+    rng = random.Random(seed)
+    rows = []
+    for name in PROMPT_SETS[prompt_set]:
+        for line in (default_eval_dir() / name).read_text().splitlines():
+            rows.append({"prompt": json.loads(line)["turns"][0], "output_tokens": min(max_output, rng.choice(lengths))})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return out
+
+
+def serve_params(names: list[str], drafter: str, reduced: str | None, k: int) -> dict[str, dict]:
+    """`vllm serve` overrides per configuration, JSON values passed as strings."""
+    available = configurations(reduced or drafter, k, DEFAULT_SPS)
+    missing = [n for n in names if n not in available]
+    if missing:
+        raise SystemExit(f"unknown configurations {missing}; known: {sorted(available)}")
+    return {name: {key: json.dumps(value) for key, value in available[name].items()} for name in names}
+
+
+def configuration_of(run: dict, params: dict[str, dict]) -> str | None:
+    """The configuration a result belongs to: vLLM's sweep stores the serve overrides in
+    each result (the bench overrides' name replaces the serve one's)."""
+    for name, overrides in params.items():
+        if all(run.get(key) == value for key, value in overrides.items()) and (
+            overrides or "speculative_config" not in run
+        ):
+            return name
+    return None
+
+
+def summarize(experiment: Path, params: dict[str, dict]) -> str:
+    """Markdown table from the sweep's result files."""
+    runs: dict[str, dict[int, list[dict]]] = {}
+    for path in sorted(experiment.glob("*/run=*.json")):
+        data = json.loads(path.read_text())
+        name = configuration_of(data, params)
+        if name is not None:
+            runs.setdefault(name, {}).setdefault(int(data["max_concurrency"]), []).append(data)
+
+    def median(name: str, users: int, key: str) -> float:
+        values = [r[key] for r in runs.get(name, {}).get(users, []) if r.get(key) is not None]
+        return statistics.median(values) if values else float("nan")
+
+    lines = ["| configuration | users | output tok/s | tok/s per user | vs fixed k=1 | vs no-spec | acceptance length "
+             "| median TTFT ms | median TPOT ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, by_users in runs.items():
+        for users in sorted(by_users):
+            throughput = median(name, users, "output_throughput")
+            per_user = throughput / users
+            ratios = [per_user / (median(base, users, "output_throughput") / users) for base in (MTP1, BASELINE)]
+            accept = median(name, users, "spec_decode_acceptance_length")
+            lines.append(f"| {name} | {users} | {throughput:.1f} | {per_user:.2f} | {ratios[0]:.2f}x | {ratios[1]:.2f}x "
+                         f"| {accept:.2f} | {median(name, users, 'median_ttft_ms'):.0f} | {median(name, users, 'median_tpot_ms'):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=None, help="default: the converted SmolLM2 checkpoint")
+    parser.add_argument("--drafter", default=str(REPO / "examples" / "drafters" / "smollm2-dspark-b7"))
+    parser.add_argument("--reduced-drafter", default=None, help="serve this (reduced-vocabulary) drafter instead")
+    parser.add_argument("--k", type=int, default=7)
+    parser.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="mixed")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--prompts-per-user", type=int, default=4, help="requests per run = this x concurrency (>= 8)")
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--num-runs", type=int, default=1)
+    parser.add_argument("--only", nargs="+", default=None, help="configurations (default: all of ROWS)")
+    parser.add_argument("--port", type=int, default=8321)
+    parser.add_argument("--experiment", default=None, help="default: the prompt set")
+    args = parser.parse_args()
+
+    from vllm_dspark.targets.smollm2 import smollm2_checkpoint
+
+    target = args.target or str(smollm2_checkpoint())
+    experiment = args.experiment or args.prompts
+    dataset = write_dataset(args.prompts, RESULTS / experiment / "dataset.jsonl", args.max_output)
+    params_dir = RESULTS / experiment
+    params = serve_params(args.only or ROWS, args.drafter, args.reduced_drafter, args.k)
+    (params_dir / "serve_params.json").write_text(json.dumps(params, indent=2) + "\n")
+    (params_dir / "bench_params.json").write_text(json.dumps(
+        [{"_benchmark_name": f"users-{c}", "max_concurrency": c, "num_prompts": max(8, args.prompts_per_user * c)}
+         for c in args.concurrency], indent=2) + "\n")
+    cli = f"{sys.executable} -m vllm_dspark.cli"
+    serve = (f"{cli} serve {target} --port {args.port} --dtype float32 --max-model-len 2048 --enforce-eager "
+             f"--no-enable-prefix-caching --max-num-seqs {max(args.concurrency)}")
+    bench = (f"{cli} bench serve --backend vllm --model {target} --port {args.port} --dataset-name custom "
+             f"--dataset-path {dataset} --temperature 0 --ignore-eos --seed 0")
+    subprocess.run([sys.executable, "-m", "vllm_dspark.cli", "bench", "sweep", "serve", "--serve-cmd", serve,
+                    "--bench-cmd", bench, "--serve-params", str(params_dir / "serve_params.json"),
+                    "--bench-params", str(params_dir / "bench_params.json"), "--after-bench-cmd", "true",
+                    "--num-runs", str(args.num_runs), "-o", str(RESULTS), "-e", experiment, "--resume",
+                    "--server-ready-timeout", "600"], check=True)
+    subprocess.run([sys.executable, "-m", "vllm_dspark.cli", "bench", "sweep", "plot_pareto", str(RESULTS / experiment),
+                    "--user-count-var", "max_concurrency"], check=False)
+    table = summarize(RESULTS / experiment, params)
+    (RESULTS / experiment / "summary.md").write_text(
+        f"# `vllm bench serve` sweep: {args.prompts} prompts\n\nTarget {target}, drafter "
+        f"{args.reduced_drafter or args.drafter}, K = {args.k}; medians over {args.num_runs} run(s).\n\n" + table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

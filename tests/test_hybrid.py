@@ -1,0 +1,184 @@
+"""Hybrid proposals (scheduling/hybrid.py): the n-gram lookup, its learned confidences,
+the choice between the two proposals and why that choice keeps verification exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_scheduling_exactness import CHI2_1DOF_P001, TARGET, chi_square
+from vllm_dspark.config import PluginOptions
+from vllm_dspark.scheduling import hybrid
+from vllm_dspark.scheduling.controller import StepInputs, VerificationController
+from vllm_dspark.scheduling.sps import SpsCurve
+
+
+def reference_lookup(context: list[int], k: int, max_model_len: int) -> tuple[int, list[int]]:
+    """Brute force: the longest (<= MAX_MATCH) suffix match, most recent on ties."""
+    best, best_end = 0, -1
+    for end in range(len(context) - 2, -1, -1):
+        n = 0
+        while n < hybrid.MAX_MATCH and end - n >= 0 and context[end - n] == context[len(context) - 1 - n]:
+            n += 1
+        if n > best:
+            best, best_end = n, end
+    if best < hybrid.MIN_MATCH:
+        return 0, []
+    count = min(k, len(context) - 1 - best_end, max_model_len - 1 - len(context))
+    return (best, context[best_end + 1 : best_end + 1 + count]) if count > 0 else (0, [])
+
+
+def batch(contexts: list[list[int]], width: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    token_ids = np.zeros((len(contexts) + 1, width), dtype=np.int32)  # one spare row, as in vLLM's batch
+    for row, context in enumerate(contexts):
+        token_ids[row, : len(context)] = context
+    return token_ids, np.array([len(c) for c in contexts] + [0])
+
+
+def test_lookup_takes_the_longest_most_recent_match() -> None:
+    contexts = [
+        [5, 6, 7, 8, 9, 1, 2, 5, 6, 7],  # suffix 5 6 7 seen at the start: continue 8 9 1
+        [1, 2, 3, 4],  # nothing repeats
+        [3, 9, 3, 4, 1, 3, 4, 2, 3, 4],  # "3 4" twice before: the most recent one continues with 2
+        [4, 4],  # a one-token match is too weak
+    ]
+    token_ids, num_tokens = batch(contexts)
+    out = hybrid.lookup_continuations(token_ids, num_tokens, [0, 1, 2, 3], k=3, max_model_len=64)
+    assert out.matches.tolist() == [3, 0, 2, 0]
+    assert out.lengths.tolist() == [3, 0, 3, 0]
+    assert out.tokens[0].tolist() == [8, 9, 1]
+    assert out.tokens[2].tolist() == [2, 3, 4]
+    # Rows are looked up where the batch has them, in the order asked.
+    again = hybrid.lookup_continuations(token_ids, num_tokens, [2, 0], k=3, max_model_len=64)
+    assert again.tokens.tolist() == [out.tokens[2].tolist(), out.tokens[0].tolist()]
+
+
+def test_lookup_stops_at_the_context_and_the_model_length() -> None:
+    token_ids, num_tokens = batch([[1, 2, 1, 2]])
+    out = hybrid.lookup_continuations(token_ids, num_tokens, [0], k=5, max_model_len=64)
+    assert out.tokens[0, : out.lengths[0]].tolist() == [1, 2]  # only what followed the match
+    short = hybrid.lookup_continuations(token_ids, num_tokens, [0], k=5, max_model_len=6)
+    assert short.lengths.tolist() == [1]  # 4 tokens + 1 draft + the bonus token = 6
+    full = hybrid.lookup_continuations(token_ids, num_tokens, [0], k=5, max_model_len=5)
+    assert full.lengths.tolist() == full.matches.tolist() == [0]
+
+
+def test_lookup_matches_the_brute_force_reference() -> None:
+    rng = np.random.default_rng(0)
+    contexts = [rng.integers(0, 4, size=rng.integers(1, 60)).tolist() for _ in range(200)]
+    contexts += [[1, 2] * 20, [3] * 30]  # matches longer than MAX_MATCH
+    token_ids, num_tokens = batch(contexts, width=64)
+    out = hybrid.lookup_continuations(token_ids, num_tokens, np.arange(len(contexts)), k=4, max_model_len=58)
+    for row, context in enumerate(contexts):
+        match, continuation = reference_lookup(context, 4, 58)
+        assert (out.matches[row], out.tokens[row, : out.lengths[row]].tolist()) == (match, continuation), context
+
+
+def test_confidences_are_learned_per_mode_match_and_position() -> None:
+    table = hybrid.NgramConfidence(width=4, forgetting=1.0)
+    prior = table.conditional(np.array([2]), np.array([4]), np.array([True]))
+    assert np.allclose(prior, 0.5)
+    rng = np.random.default_rng(0)
+    # Greedy requests with long matches: 90% of each draft accepted; sampled: 20%.
+    for greedy, rate in ((True, 0.9), (False, 0.2)):
+        for _ in range(2000):
+            draws = rng.random(4) < rate
+            accepted = 4 if draws.all() else int(np.argmin(draws))
+            table.observe(np.array([6]), np.array([greedy]), np.array([4]), np.array([accepted]))
+    greedy_row = table.conditional(np.array([6]), np.array([4]), np.array([True]))[0]
+    sampled_row = table.conditional(np.array([9]), np.array([4]), np.array([False]))[0]  # 9 shares 6's bucket
+    assert np.allclose(greedy_row, 0.9, atol=0.06)
+    assert np.allclose(sampled_row[:2], 0.2, atol=0.06)
+    # A match length never observed keeps the prior; positions past a proposal are 0.
+    assert np.allclose(table.conditional(np.array([2]), np.array([2]), np.array([True]))[0], [0.5, 0.5, 0, 0])
+
+
+def test_choice_compares_expected_accepted_tokens() -> None:
+    strong = np.array([[0.9, 0.9, 0.9, 0.9]])
+    weak = np.array([[0.2, 0.0, 0.0, 0.0]])
+    survival = np.array([0.8, 0.6, 0.4, 0.2])
+    assert hybrid.prefer_ngram(strong, np.array([0.5]), 4, survival).tolist() == [True]
+    assert hybrid.prefer_ngram(weak, np.array([0.8]), 4, survival).tolist() == [False]
+    # Nothing drafted this step: any continuation beats none.
+    assert hybrid.prefer_ngram(weak, np.array([0.0]), 0, None).tolist() == [True]
+    assert hybrid.prefer_ngram(np.zeros((1, 4)), np.array([0.0]), 0, None).tolist() == [False]
+
+
+def first_token(rng: np.random.Generator, use_ngram: bool, x1: int) -> int:
+    """One round of rejection sampling with the chosen proposal: the drafter's x1 ~ (0.5,
+    0.5), or the n-gram's token A (0) as a point mass."""
+    draft = np.array([1.0, 0.0]) if use_ngram else np.array([0.5, 0.5])
+    token = 0 if use_ngram else x1
+    if rng.random() < min(1.0, TARGET[token] / draft[token]):
+        return token
+    residual = np.maximum(TARGET - draft, 0.0)
+    return int(rng.random() < residual[1] / residual.sum())
+
+
+def first_token_counts(choose, seed: int, trials: int = 20_000) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(2, dtype=np.int64)
+    for _ in range(trials):
+        c1 = rng.random()  # the drafter's first confidence: known before x1 is drawn
+        x1 = int(rng.random() < 0.5)
+        counts[first_token(rng, bool(choose(c1, x1)), x1)] += 1
+    return counts
+
+
+NGRAM_ROW = np.array([[0.6, 0.5]])
+
+
+def test_the_choice_keeps_the_target_distribution() -> None:
+    """The hybrid choice reads c_1, not x_1: the first output token stays the target's."""
+    choose = lambda c1, x1: hybrid.prefer_ngram(NGRAM_ROW, np.array([c1]), 2, np.array([0.7, 0.5]))[0]
+    counts = first_token_counts(choose, seed=2)
+    mixed = first_token_counts(lambda c1, x1: c1 < 0.5, seed=3)
+    assert chi_square(counts, TARGET) < CHI2_1DOF_P001, counts
+    assert chi_square(mixed, TARGET) < CHI2_1DOF_P001, mixed
+
+
+def test_a_choice_that_reads_the_drafted_token_is_caught() -> None:
+    """Negative control: keeping the drafter's block only when it drew A (what reading
+    c_2, which depends on x_1, amounts to) skews the output towards A."""
+    counts = first_token_counts(lambda c1, x1: x1 == 1, seed=4)
+    assert chi_square(counts, TARGET) > 100.0, counts
+
+
+CURVE = SpsCurve(points=[(1, 10.0), (64, 9.8), (300, 8.0)])
+
+
+def controller(**options) -> VerificationController:
+    plugin = PluginOptions(policy="dspark", sps_table=CURVE.points, measure_step_overhead=False, **options)
+    return VerificationController(plugin, CURVE, num_speculative_tokens=4)
+
+
+def test_controller_prices_ngram_rows_by_their_own_acceptance_and_learns_them_apart() -> None:
+    ctrl = controller()
+    drafter_row = [0.9, 0.9, 0.9, 0.9]
+    step = StepInputs(req_ids=("a", "b"), confidences=np.array([drafter_row, [0.0] * 4]), proposed=np.array([4, 3]),
+                      greedy=np.array([True, True]), ngram_matches=np.array([0, 5]))
+    decision = ctrl.decide(step)
+    assert np.allclose(decision.confidences[1], [0.5, 0.5, 0.5, 0.0])  # the n-gram prior, 3 drafts
+    ctrl.step_scheduled(0.0, 9)
+    recalibration_before = ctrl.recalibrators["greedy"].judged.copy()
+    ctrl.observe(np.array([1, 4]))  # a: all 4 drafts rejected; b: all 3 accepted
+    assert ctrl.stats.ngram_proposed == 3 and ctrl.stats.ngram_verified == decision.verified[1]
+    assert ctrl.stats.ngram_accepted == 3
+    assert ctrl.ngram.judged[0, hybrid.NgramConfidence.buckets(5)].sum() == 3
+    # The drafter's recalibration saw only the drafter's row (one judged, rejected draft).
+    assert (ctrl.recalibrators["greedy"].judged - recalibration_before).sum() == 1
+
+
+def test_hybrid_off_never_prefers_ngram() -> None:
+    ctrl = controller(hybrid_ngram=False)
+    assert ctrl.ngram is None
+    proposals = hybrid.NgramProposals(np.ones((2, 4), dtype=np.int64), np.array([4, 4]), np.array([8, 8]))
+    assert not ctrl.prefer_ngram(np.array([0.0, 0.1]), np.array([True, False]), proposals, 0).any()
+
+
+@pytest.mark.parametrize("first", [np.nan, -1.0, 2.0])
+def test_invalid_first_confidence_counts_as_no_draft(first: float) -> None:
+    ctrl = controller()
+    proposals = hybrid.NgramProposals(np.ones((1, 4), dtype=np.int64), np.array([1]), np.array([2]))
+    # A weak one-token continuation (expected 0.5) beats a drafter whose c_1 is unusable.
+    assert ctrl.prefer_ngram(np.array([first]), np.array([True]), proposals, 4).tolist() == [True]

@@ -1,0 +1,158 @@
+"""Hybrid proposals: an n-gram lookup in the request's own tokens beside the drafter.
+
+SmolLM2 copies from its context a lot (code, lists, restated questions); there a prompt
+lookup beats a parallel drafter. Each step the worker looks up, for every request, the
+longest recent earlier occurrence of the context's suffix (`lookup_continuations`, up to
+`MAX_MATCH` tokens matched) and hands the up-to-K tokens that followed it to the scheduler
+with the drafter's block. The controller then takes, per request, the proposal with more
+expected accepted tokens, and ranks the chosen proposals' prefix survivals under one
+budget exactly as before.
+
+Exactness (DSPARK.md section 4, extended): rejection sampling is lossless for a draft
+drawn from q if the decision to verify it does not depend on the draw. An n-gram
+continuation is deterministic given the context, so it is a draw from the point mass
+q = 1 on the proposed token; the worker hands the rejection sampler exactly that
+distribution for the requests whose n-gram proposal was chosen. The choice itself reads
+only what exists before the drafter's tokens are drawn: the context (match length,
+continuation length), the drafter's first confidence c_1 (it reads the anchor token and
+the first hidden state, not x_1), this step's planned draft depth and statistics of
+earlier steps. It never reads the drafter's tokens, their later confidences or how
+early the drafter stopped a request, which all depend on the draws. So the verified
+tokens are still distributed as the target's samples.
+
+The n-gram proposal's confidences are learned online from its own outcomes
+(`NgramConfidence`): the conditional acceptance per (sampling mode, match length,
+position), counted with a uniform prior and slow forgetting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# A match shorter than this is too weak a signal; longer than MAX_MATCH is not searched.
+MIN_MATCH = 2
+MAX_MATCH = 8
+# Match lengths MIN_MATCH .. MATCH_BUCKETS + MIN_MATCH - 1 are learned apart, longer ones
+# share the last bucket.
+MATCH_BUCKETS = 5
+SAMPLING_MODES = ("greedy", "sampled")
+
+
+@dataclass(frozen=True)
+class NgramProposals:
+    """One step's n-gram continuations, rows aligned with the drafter's request ids."""
+
+    tokens: np.ndarray  # [N, K] int64, valid up to `lengths`
+    lengths: np.ndarray  # [N] continuation length (0: no match)
+    matches: np.ndarray  # [N] matched suffix length (0: no match)
+
+
+def lookup_continuations(
+    token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray, k: int, max_model_len: int
+) -> NgramProposals:
+    """N-gram continuations for `rows` of `token_ids` [batch, max_len], whose first
+    `num_tokens[row]` entries are that request's prompt and output so far (the layout of
+    vLLM's input batch): per row the most recent earlier end position whose preceding
+    tokens match the context's suffix longest (at most MAX_MATCH), and up to k tokens that
+    followed it, never past `max_model_len`. Vectorised over rows and positions (no loop
+    over requests; numba, which vLLM's own lookup uses, breaks vLLM 0.32's CPU kernel
+    overrides for every later engine in the process)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    tokens = np.zeros((len(rows), k), dtype=np.int64)
+    lengths = np.zeros(len(rows), dtype=np.int64)
+    matches = np.zeros(len(rows), dtype=np.int64)
+    context_lengths = np.asarray(num_tokens)[rows].astype(np.int64)
+    if not len(rows) or not k or context_lengths.max() <= MIN_MATCH:
+        return NgramProposals(tokens, lengths, matches)
+    width = int(context_lengths.max())
+    context = np.asarray(token_ids)[rows, :width]
+    positions = np.arange(width)
+    last = context_lengths - 1
+    # run[r, e] = how many tokens ending at e equal the suffix ending at last[r] (capped).
+    alive = positions[None, :] < last[:, None]  # an end strictly before the suffix's own
+    run = np.zeros((len(rows), width), dtype=np.int64)
+    for back in range(MAX_MATCH):
+        source, target = positions - back, last - back
+        same = context[:, np.maximum(source, 0)] == context[np.arange(len(rows)), np.maximum(target, 0)][:, None]
+        alive &= same & (source >= 0)[None, :] & (target >= 0)[:, None]
+        if not alive.any():
+            break
+        run += alive
+    best = run.max(axis=1)
+    end = width - 1 - np.argmax((run == best[:, None])[:, ::-1], axis=1)  # the most recent end
+    count = np.minimum(np.minimum(k, last - end), max_model_len - 1 - context_lengths)
+    count = np.where(best >= MIN_MATCH, np.maximum(count, 0), 0)
+    offsets = np.arange(k)
+    taken = np.take_along_axis(context, np.minimum(end[:, None] + 1 + offsets, width - 1), axis=1)
+    tokens[:] = np.where(offsets < count[:, None], taken, 0)
+    return NgramProposals(tokens, count, np.where(count > 0, best, 0))
+
+
+def expected_accepted(conditional: np.ndarray) -> np.ndarray:
+    """[R, K] conditional confidences -> [R] expected accepted drafts (sum of prefix survival)."""
+    return np.cumprod(conditional, axis=1).sum(axis=1)
+
+
+@dataclass
+class NgramConfidence:
+    """Conditional acceptance of n-gram drafts, per sampling mode, match bucket and
+    position: (accepted + 1) / (judged + 2), with the counts decayed by `forgetting`
+    each observed step so the estimate follows the traffic."""
+
+    width: int
+    forgetting: float = 0.999
+    accepted: np.ndarray = field(init=False)
+    judged: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        shape = (len(SAMPLING_MODES), MATCH_BUCKETS, self.width)
+        self.accepted = np.zeros(shape)
+        self.judged = np.zeros(shape)
+
+    @staticmethod
+    def buckets(matches: np.ndarray) -> np.ndarray:
+        return np.clip(np.asarray(matches) - MIN_MATCH, 0, MATCH_BUCKETS - 1)
+
+    def conditional(self, matches: np.ndarray, lengths: np.ndarray, greedy: np.ndarray) -> np.ndarray:
+        """[R, width] conditional confidences of the proposals (0 beyond their length)."""
+        table = (self.accepted + 1.0) / (self.judged + 2.0)
+        mode = np.where(greedy, 0, 1)
+        rows = table[mode, self.buckets(matches)]
+        return np.where(np.arange(self.width) < np.asarray(lengths)[:, None], rows, 0.0)
+
+    def observe(self, matches: np.ndarray, greedy: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
+        """Requests that verified `verified` n-gram drafts and had `accepted` of them
+        accepted: positions < accepted were accepted, position `accepted` (if verified)
+        was rejected, later ones were not judged."""
+        if not len(verified):
+            return
+        self.accepted *= self.forgetting
+        self.judged *= self.forgetting
+        positions = np.arange(self.width)
+        judged = positions < np.minimum(verified, accepted + 1)[:, None]
+        hits = positions < np.asarray(accepted)[:, None]
+        index = (np.where(greedy, 0, 1), self.buckets(matches))
+        np.add.at(self.judged, index, judged)
+        np.add.at(self.accepted, index, hits & judged)
+
+
+def prefer_ngram(
+    ngram_conditional: np.ndarray,
+    first_confidence: np.ndarray,
+    drafted_depth: int,
+    mean_survival: np.ndarray | None,
+) -> np.ndarray:
+    """[R] True where the n-gram proposal expects more accepted tokens than the drafter's.
+
+    The drafter's expectation is its calibrated first confidence c_1 times the shape of its
+    recent mean prefix survival over the planned depth (positions 2.. relative to 1), so
+    it reads nothing the drafter drew this step (see the module docstring)."""
+    ngram = expected_accepted(ngram_conditional)
+    if drafted_depth == 0:
+        return ngram > 0.0
+    shape = np.ones(1)
+    if mean_survival is not None and mean_survival[0] > 0.0:
+        shape = np.minimum(mean_survival[:drafted_depth] / mean_survival[0], 1.0)
+    return ngram > np.asarray(first_confidence) * shape.sum()
