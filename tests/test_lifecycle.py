@@ -63,7 +63,7 @@ def token_prompt(ids: list[int]):
     return TokensPrompt(prompt_token_ids=ids)
 
 
-def test_preemption_with_pending_drafts(tiny_target, drafter, plain, monkeypatch):
+def test_preemption_with_pending_drafts(tiny_target, drafter, monkeypatch):
     """A KV cache of a few 128-token blocks for seven growing requests: vLLM preempts and
     recomputes some, drafts pending for them included."""
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it would replace the small cache below
@@ -73,7 +73,6 @@ def test_preemption_with_pending_drafts(tiny_target, drafter, plain, monkeypatch
     assert generate_ids(llm, PROMPTS, 150) == long_plain
     assert vllm_counter(llm, "vllm:num_preemptions") > 0, "the test needs preemptions"
     assert_consistent(llm)
-    del plain
 
 
 def drive(llm, arrivals: dict[int, list[tuple[str, list[int]]]], aborts: dict[int, list[str]]) -> dict[str, list[int]]:
@@ -100,7 +99,7 @@ def test_requests_joining_and_aborted_mid_flight(tiny_target, drafter, plain):
     assert_consistent(llm)
 
 
-def test_chunked_prefill_shares_passes_with_verification(tiny_target, drafter, plain):
+def test_chunked_prefill_shares_passes_with_verification(tiny_target, drafter):
     """Long prompts prefilled in chunks of a small token budget while others verify."""
     long_prompts = [list(range(10, 210)), list(range(300, 420))]
     prompts = PROMPTS[:3] + long_prompts
@@ -109,10 +108,9 @@ def test_chunked_prefill_shares_passes_with_verification(tiny_target, drafter, p
     llm = speculative(tiny_target, drafter, **kwargs)
     assert generate_ids(llm, prompts, MAX_TOKENS) == expected
     assert_consistent(llm)
-    del plain
 
 
-def test_prefix_caching_with_shared_prefixes(tiny_target, drafter, plain):
+def test_prefix_caching_with_shared_prefixes(tiny_target, drafter):
     shared = list(range(20, 160))  # longer than one 128-token block
     prompts = [shared + p for p in PROMPTS[:4]]
     expected = generate_ids(make_llm(tiny_target, enable_prefix_caching=False), prompts, MAX_TOKENS)
@@ -120,7 +118,6 @@ def test_prefix_caching_with_shared_prefixes(tiny_target, drafter, plain):
     assert generate_ids(llm, prompts, MAX_TOKENS) == expected
     assert generate_ids(llm, prompts, MAX_TOKENS) == expected  # the shared blocks now come from the cache
     assert_consistent(llm)
-    del plain
 
 
 def test_max_tokens_and_stop_tokens_inside_accepted_drafts(tiny_target, drafter, plain):

@@ -317,8 +317,7 @@ class VerificationController:
         drew, so the choice keeps verification exact (scheduling/hybrid.py)."""
         if self.ngram is None:
             return np.zeros(len(greedy), dtype=bool)
-        raw = np.asarray(first_confidence, dtype=np.float64)[:, None]
-        raw = np.where(np.isfinite(raw) & (raw >= 0.0) & (raw <= 1.0), raw, 0.0)  # decide() counts bad ones
+        raw = self._valid_confidences(np.asarray(first_confidence)[:, None], count=False)  # decide() counts them
         first = self._recalibrated(raw, greedy)[:, 0]
         conditional = self.ngram.conditional(proposals.matches, proposals.lengths, greedy)
         return (proposals.lengths > 0) & hybrid.prefer_ngram(conditional, first, drafted_depth, self.mean_survival)
@@ -340,17 +339,17 @@ class VerificationController:
         self._previous_step = None
 
     # --------------------------------------------------------------- helpers
-    def _valid_confidences(self, confidences: np.ndarray) -> np.ndarray:
+    def _valid_confidences(self, confidences: np.ndarray, count: bool = True) -> np.ndarray:
         """NaN or out-of-range confidences are replaced by 0 (documented safe fallback:
-        such a draft is not verified), counted and logged."""
+        such a draft is not verified), counted and logged (`count`: once per step)."""
         matrix = np.asarray(confidences, dtype=np.float64)
         bad = ~np.isfinite(matrix) | (matrix < 0) | (matrix > 1)
-        if bad.any():
-            count = int(bad.sum())
-            self.stats.invalid_confidences += count
-            logger.warning("vllm_dspark: %d invalid confidences (NaN/out of range) treated as 0", count)
-            matrix = np.where(bad, 0.0, matrix)
-        return matrix
+        if not bad.any():
+            return matrix
+        if count:
+            self.stats.invalid_confidences += int(bad.sum())
+            logger.warning("vllm_dspark: %d invalid confidences (NaN/out of range) treated as 0", int(bad.sum()))
+        return np.where(bad, 0.0, matrix)
 
     def _recalibrated(self, raw: np.ndarray, greedy: np.ndarray) -> np.ndarray:
         confidences = raw.copy()
