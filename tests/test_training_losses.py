@@ -22,6 +22,7 @@ from vllm_dspark.training.losses import (
     position_weights,
     total_variation_l1,
 )
+from vllm_dspark.training.soft_labels import TopKProbs, coverage
 from vllm_dspark.training.train import RunSettings, lr_at
 
 
@@ -33,8 +34,8 @@ def test_position_weights() -> None:
 def test_tv_and_acceptance_label_by_hand() -> None:
     p_d = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
     p_t = torch.tensor([[0.7, 0.3, 0.0], [0.2, 0.3, 0.5]])
-    tv = total_variation_l1(p_d, p_t)
-    assert torch.allclose(tv, torch.tensor([0.4, 0.0]))
+    tv = total_variation_l1(p_d, TopKProbs.of(p_t, 3))
+    assert torch.allclose(tv, torch.tensor([0.4, 0.0]), atol=1e-6)
     # Rejection sampling accepts with sum_v min(p_d, p_t) = 0.5 * 0.7 ... = 0.8 here.
     assert torch.allclose(acceptance_label(tv), torch.tensor([0.8, 1.0]))
 
@@ -45,7 +46,7 @@ def test_dspark_losses_by_hand() -> None:
     p_t = torch.tensor([[[0.7, 0.3], [0.8, 0.2]]])
     targets = torch.tensor([[1, 0]])
     conf = torch.tensor([[0.0, 2.0]], requires_grad=True)
-    out = dspark_losses(logits, p_t, targets, conf, torch.ones(1))
+    out = dspark_losses(logits, TopKProbs.of(p_t, 2), targets, conf, torch.ones(1))
     w = torch.tensor([1.0, math.exp(-0.5)])
     ce = torch.tensor([-math.log(0.5), -math.log(0.8)])
     tv = torch.tensor([0.4, 0.0])
@@ -65,13 +66,48 @@ def test_dspark_losses_by_hand() -> None:
 
 def test_padding_blocks_do_not_count() -> None:
     logits = torch.randn(2, 3, 5)
-    p_t = torch.softmax(torch.randn(2, 3, 5), -1)
+    p_t = TopKProbs.of(torch.softmax(torch.randn(2, 3, 5), -1), 3)
     targets = torch.randint(0, 5, (2, 3))
     conf = torch.randn(2, 3)
     both = dspark_losses(logits, p_t, targets, conf, torch.tensor([1.0, 0.0]))
     first = dspark_losses(logits[:1], p_t[:1], targets[:1], conf[:1], torch.ones(1))
     for name in ("ce", "tv", "conf", "total"):
         assert both[name].item() == pytest.approx(first[name].item(), rel=1e-6)
+
+
+def test_reduced_vocabulary_targets_outside_the_subset_stay_finite() -> None:
+    """A drafter that cannot emit token 2 (logit -inf, as a reduced vocabulary gives): the
+    block whose true next token is 2 adds no CE but its lost mass to TV; gradients finite."""
+    logits = torch.tensor([[[1.0, 0.0, float("-inf")], [0.0, 1.0, float("-inf")]]], requires_grad=True)
+    p_t = torch.tensor([[[0.2, 0.2, 0.6], [0.5, 0.5, 0.0]]])
+    out = dspark_losses(logits, TopKProbs.of(p_t, 3), torch.tensor([[2, 1]]), None, torch.ones(1))
+    w = position_weights(2)
+    q = torch.softmax(logits.detach(), -1)
+    assert out["ce"].item() == pytest.approx(float(w[1] * -q[0, 1, 1].log() / w.sum()), rel=1e-5)
+    assert out["tv"].item() == pytest.approx(float((w * (q - p_t).abs().sum(-1)[0]).sum() / w.sum()), rel=1e-5)
+    out["total"].backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_top_k_tv_within_its_stated_bound_of_the_full_one() -> None:
+    """On peaked and flat random distributions: TV from the top k is never below the full
+    one and exceeds it by at most 2 min(q_out, r); with k = V it is the full one."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = 200
+    for sharpness in (0.5, 3.0):
+        p_t = torch.softmax(sharpness * torch.randn(64, vocab, generator=generator), -1)
+        p_d = torch.softmax(sharpness * torch.randn(64, vocab, generator=generator), -1)
+        full = (p_d - p_t).abs().sum(-1)
+        assert torch.allclose(total_variation_l1(p_d, TopKProbs.of(p_t, vocab)), full, atol=1e-5)
+        for k in (1, 8, 50):
+            target = TopKProbs.of(p_t, k)
+            approx = total_variation_l1(p_d, target)
+            q_out = 1 - p_d.gather(-1, target.ids).sum(-1)
+            assert torch.all(approx >= full - 1e-5)
+            assert torch.all(approx - full <= 2 * torch.minimum(q_out, target.rest) + 1e-5)
+            assert not torch.allclose(approx, full)  # the bound is not vacuous: some error exists
+    kept = coverage(torch.log(p_t), [1, 8, vocab])
+    assert kept[1] < kept[8] < kept[vocab] == pytest.approx(1.0)
 
 
 def test_valid_anchors_keep_whole_block_in_response() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ from vllm_dspark.training import train as train_module
 from vllm_dspark.training.blocks import BlockBatch, DrafterLoss
 from vllm_dspark.training.distributed import DeviceError, select_device
 from vllm_dspark.training.features import FeatureStore, OnTheFlyFeatures, heldout_score, read_index
+from vllm_dspark.training.soft_labels import DEFAULT_TOPK
 
 DRAFTER = ["--num-layers", "1", "--block-size", "4", "--markov-rank", "16"]
 HELDOUT_FRAC = 0.25
@@ -89,10 +91,14 @@ def test_features_split_shards_and_values(tiny_target: Path, tiny_data: Path, fe
     from transformers import LlamaForCausalLM
 
     target = LlamaForCausalLM.from_pretrained(str(tiny_target)).eval()
-    context, last = capture_target_states(target, seq.input_ids.unsqueeze(0), store.layer_ids)
-    # Stored in bf16: about 3 significant digits.
+    context, _ = capture_target_states(target, seq.input_ids.unsqueeze(0), store.layer_ids)
+    # Stored in bf16: about 3 significant digits; probabilities in fp16.
     assert torch.allclose(seq.context, context[0], rtol=2e-2, atol=2e-2)
-    assert torch.allclose(seq.last_hidden, last[0], rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        probs = torch.softmax(target(seq.input_ids.unsqueeze(0)).logits[0], -1)
+    assert seq.soft_labels.k == DEFAULT_TOPK
+    assert torch.allclose(seq.soft_labels.probs, probs.gather(-1, seq.soft_labels.ids), rtol=2e-3, atol=1e-4)
+    assert torch.allclose(seq.soft_labels.probs, probs.topk(DEFAULT_TOPK, -1).values, rtol=2e-3, atol=1e-4)
     assert seq.loss_mask.sum() == len(seq.input_ids) - 6
 
 
@@ -126,6 +132,23 @@ def test_short_training_lowers_loss(tiny_target: Path, features: tuple[Path, Pat
     drafter = DSparkDrafter.from_pretrained(out, tiny_target)
     assert drafter.fc.weight.dtype == torch.float32 and drafter.config.torch_dtype == "bfloat16"
     assert torch.equal(drafter.fc.weight, stored["fc.weight"].float())
+
+
+def test_reduced_vocabulary_drafter_trains(tiny_target: Path, tiny_data: Path, features: tuple[Path, Path], tmp_path: Path, capsys) -> None:
+    """init-drafter --draft-vocab-size picks the subset from the target's generations; that
+    drafter trains with finite losses (targets outside the subset have no CE term) and
+    keeps its subset; the CE it can still learn falls."""
+    reduced, out = tmp_path / "reduced", tmp_path / "trained"
+    assert main(["init-drafter", "--target", str(tiny_target), "--out", str(reduced), "--num-layers", "1",
+                 "--block-size", "4", "--markov-rank", "16", "--draft-vocab-size", "64", "--corpus", str(tiny_data)]) == 0
+    assert "of held-out target tokens inside the draft vocabulary" in capsys.readouterr().out
+    assert main(train_argv(tiny_target, features[0], out, "--init", str(reduced), "--steps", "20", "--save-every", "0")) == 0
+    log = read_log(out)
+    assert all(math.isfinite(r["total"]) for r in log)
+    assert sum(r["ce"] for r in log[-5:]) < sum(r["ce"] for r in log[:5])
+    trained = DSparkDrafter.from_pretrained(out, tiny_target)
+    assert trained.config.draft_vocab == 64
+    assert torch.equal(trained.draft_to_target(), DSparkDrafter.from_pretrained(reduced, tiny_target).draft_to_target())
 
 
 def test_resume_continues_exactly(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path, monkeypatch) -> None:
@@ -201,7 +224,8 @@ def random_batch(config, generator: torch.Generator, anchor_weights: list[list[f
     return BlockBatch(
         input_ids=torch.randint(0, TINY_VOCAB, (b, length), generator=generator),
         context=torch.randn(b, length, len(config.target_layer_ids) * d, generator=generator),
-        last_hidden=torch.randn(b, length, d, generator=generator),
+        topk_ids=torch.randint(0, TINY_VOCAB, (b, length, 8), generator=generator),
+        topk_probs=torch.full((b, length, 8), 0.1),
         anchors=anchors,
         anchor_weights=torch.tensor(anchor_weights),
     )

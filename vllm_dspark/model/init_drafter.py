@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -114,9 +116,7 @@ def init_drafter(target_dir: str | Path, out_dir: str | Path, seed: int = 0, **o
 
 
 def _run(args: argparse.Namespace) -> int:
-    init_drafter(
-        args.target,
-        args.out,
+    options = dict(
         seed=args.seed,
         num_layers=args.num_layers,
         block_size=args.block_size,
@@ -124,7 +124,23 @@ def _run(args: argparse.Namespace) -> int:
         markov_head_type=args.markov_head_type,
         target_layer_ids=args.target_layer_ids,
     )
-    print(f"untrained drafter written to {args.out}")
+    if args.draft_vocab_size is None:
+        init_drafter(args.target, args.out, **options)
+        print(f"untrained drafter written to {args.out}")
+        return 0
+    from vllm_dspark.model.reduce_vocab import reduce_with_report  # it imports the training data reader
+
+    if args.corpus is None:
+        print("init-drafter: --draft-vocab-size needs --corpus (the target's own generations)", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as full:
+        init_drafter(args.target, full, **options)
+        try:
+            reduced = reduce_with_report(Path(full), Path(args.target), args.corpus, args.draft_vocab_size, Path(args.out))
+        except (ConfigError, OSError, ValueError) as exc:
+            print(f"init-drafter: {exc}", file=sys.stderr)
+            return 1
+    print(f"untrained drafter written to {args.out} (draft_vocab_size {reduced.draft_vocab})")
     return 0
 
 
@@ -138,4 +154,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--markov-head-type", choices=["vanilla", "gated", "rnn"], default=DEFAULT_MARKOV_HEAD_TYPE)
     parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--draft-vocab-size", type=int, default=None,
+                        help="a reduced draft vocabulary: the N tokens the target emits most often in --corpus")
+    parser.add_argument("--corpus", type=Path, default=None, help="generate-data JSONL (or .jsonl.xz), with --draft-vocab-size")
     parser.set_defaults(func=_run)

@@ -21,6 +21,7 @@ import json
 import logging
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +117,49 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_run)
 
 
+@dataclass(frozen=True)
+class DraftVocabChoice:
+    """A subset picked from a corpus, with the held-out coverage of a few sizes."""
+
+    ids: np.ndarray  # sorted target ids
+    training_tokens: int
+    heldout_tokens: int
+    heldout_coverage: dict[int, float]  # size -> share of held-out response tokens inside
+
+    def summary(self, reduced: DrafterConfig, corpus: Path) -> dict:
+        return {
+            "draft_vocab_size": reduced.draft_vocab,
+            "target_vocab_size": reduced.vocab_size,
+            "corpus": str(corpus),
+            "training_tokens": self.training_tokens,
+            "heldout_tokens": self.heldout_tokens,
+            "heldout_coverage_by_size": {str(k): round(v, 5) for k, v in self.heldout_coverage.items()},
+        }
+
+
+def choose_from_corpus(corpus: Path, target_dir: Path, size: int) -> DraftVocabChoice:
+    target_config = read_target_config(target_dir)
+    train, heldout = token_counts(corpus, target_config["vocab_size"])
+    special = special_token_ids(target_config)
+    report = {
+        n: coverage(heldout, choose_draft_vocab(train, n, special))
+        for n in sorted({*REPORT_SIZES, size})
+        if n <= len(train)
+    }
+    return DraftVocabChoice(choose_draft_vocab(train, size, special), int(train.sum()), int(heldout.sum()), report)
+
+
+def reduce_with_report(drafter_dir: Path, target_dir: Path, corpus: Path, size: int, out_dir: Path) -> DrafterConfig:
+    """Pick the subset from `corpus`, write the reduced drafter and its `draft_vocab.json`,
+    and print the held-out coverage by size (what N is chosen from)."""
+    choice = choose_from_corpus(corpus, target_dir, size)
+    reduced = reduce_drafter(drafter_dir, target_dir, choice.ids, out_dir)
+    (out_dir / "draft_vocab.json").write_text(json.dumps(choice.summary(reduced, corpus), indent=2) + "\n")
+    for n, share in choice.heldout_coverage.items():
+        print(f"N={n:6d}: {100 * share:6.2f}% of held-out target tokens inside the draft vocabulary")
+    return reduced
+
+
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
@@ -123,29 +167,9 @@ def _run(args: argparse.Namespace) -> int:
             from vllm_dspark.targets.smollm2 import smollm2_checkpoint
 
             args.target = smollm2_checkpoint()
-        target_config = read_target_config(args.target)
-        train, heldout = token_counts(args.corpus, target_config["vocab_size"])
-        special = special_token_ids(target_config)
-        report = {
-            size: coverage(heldout, choose_draft_vocab(train, size, special))
-            for size in sorted({*REPORT_SIZES, args.size})
-            if size <= len(train)
-        }
-        ids = choose_draft_vocab(train, args.size, special)
-        reduced = reduce_drafter(args.drafter, args.target, ids, args.out)
+        reduced = reduce_with_report(args.drafter, args.target, args.corpus, args.size, args.out)
     except (ConfigError, FeatureError, OSError, ValueError) as exc:
         print(f"reduce-vocab: {exc}", file=sys.stderr)
         return 1
-    summary = {
-        "draft_vocab_size": reduced.draft_vocab,
-        "target_vocab_size": reduced.vocab_size,
-        "corpus": str(args.corpus),
-        "training_tokens": int(train.sum()),
-        "heldout_tokens": int(heldout.sum()),
-        "heldout_coverage_by_size": {str(k): round(v, 5) for k, v in report.items()},
-    }
-    (args.out / "draft_vocab.json").write_text(json.dumps(summary, indent=2) + "\n")
-    for size, share in report.items():
-        print(f"N={size:6d}: {100 * share:6.2f}% of held-out target tokens inside the draft vocabulary")
     print(f"wrote {args.out} (draft_vocab_size {reduced.draft_vocab})")
     return 0

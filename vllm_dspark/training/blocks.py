@@ -18,6 +18,7 @@ from vllm_dspark.model.drafter import DSparkDrafter
 from vllm_dspark.training.distributed import data_parallel_denominator
 from vllm_dspark.training.features import FeatureSource, SequenceFeatures
 from vllm_dspark.training.losses import LossWeights, dspark_losses, supervision_weights
+from vllm_dspark.training.soft_labels import TopKProbs
 
 
 def valid_anchors(length: int, response_start: int, block_size: int) -> torch.Tensor:
@@ -60,7 +61,8 @@ class BlockBatch:
 
     input_ids: torch.Tensor  # [B, T]
     context: torch.Tensor  # [B, T, m*d]
-    last_hidden: torch.Tensor  # [B, T, d]
+    topk_ids: torch.Tensor  # [B, T, k] the target's soft labels (TopKProbs)
+    topk_probs: torch.Tensor  # [B, T, k]
     anchors: torch.Tensor  # [B, A] positions
     anchor_weights: torch.Tensor  # [B, A], 0 = padding anchor
 
@@ -80,17 +82,20 @@ def pack_batch(
     b = len(sequences)
     input_ids = torch.zeros(b, longest, dtype=torch.long)
     context = torch.zeros(b, longest, sequences[0].context.shape[-1])
-    last_hidden = torch.zeros(b, longest, sequences[0].last_hidden.shape[-1])
+    k = min(s.soft_labels.k for s in sequences)
+    topk_ids = torch.zeros(b, longest, k, dtype=torch.long)
+    topk_probs = torch.zeros(b, longest, k)
     anchors, weights = [], []
     for row, seq in enumerate(sequences):
         t = len(seq.input_ids)
         input_ids[row, :t] = seq.input_ids
         context[row, :t] = seq.context
-        last_hidden[row, :t] = seq.last_hidden
+        topk_ids[row, :t] = seq.soft_labels.ids[:, :k]
+        topk_probs[row, :t] = seq.soft_labels.probs[:, :k]
         picked, weight = choose_anchors(valid_anchors(t, seq.response_start, block_size), anchors_per_seq, generator)
         anchors.append(picked)
         weights.append(weight)
-    return BlockBatch(input_ids, context, last_hidden, torch.stack(anchors), torch.stack(weights))
+    return BlockBatch(input_ids, context, topk_ids, topk_probs, torch.stack(anchors), torch.stack(weights))
 
 
 @dataclass
@@ -99,14 +104,15 @@ class TeacherForced:
 
     logits: torch.Tensor  # [N, K, V]
     conf_logits: torch.Tensor | None  # [N, K]
-    target_probs: torch.Tensor  # [N, K, V]
+    target: TopKProbs  # [N, K, k] p_t at each predicted position
     targets: torch.Tensor  # [N, K] ground-truth next tokens
     row_weights: torch.Tensor  # [N]
 
 
 def teacher_forced_blocks(drafter: DSparkDrafter, batch: BlockBatch) -> TeacherForced:
     """One packed backbone pass, then the sequential heads fed the true previous tokens.
-    Padding blocks are dropped before the vocabulary-sized work, which dominates a step."""
+    Padding blocks are dropped before the vocabulary-sized work (the drafter's LM head),
+    which dominates a step; the target's side is read from the stored top-k soft labels."""
     k = drafter.config.block_size
     b, a = batch.anchors.shape
     device = batch.anchors.device
@@ -118,12 +124,10 @@ def teacher_forced_blocks(drafter: DSparkDrafter, batch: BlockBatch) -> TeacherF
     positions = (batch.anchors.reshape(-1, 1) + torch.arange(k, device=device))[keep]  # [N, K]: p .. p+K-1
     prev_tokens = batch.input_ids[rows, positions]  # anchor, then the true tokens
     logits, conf_logits = drafter.teacher_forced_heads(hidden, prev_tokens)
-    with torch.no_grad():
-        target_probs = torch.softmax(drafter.lm_head(batch.last_hidden[rows, positions]), dim=-1)
     return TeacherForced(
         logits=logits,
         conf_logits=conf_logits,
-        target_probs=target_probs,
+        target=TopKProbs(batch.topk_ids[rows, positions], batch.topk_probs[rows, positions]),
         targets=batch.input_ids[rows, positions + 1],
         row_weights=batch.anchor_weights.reshape(-1)[keep],
     )
@@ -143,6 +147,6 @@ class DrafterLoss(torch.nn.Module):
         out = teacher_forced_blocks(self.drafter, batch)
         local = supervision_weights(out.row_weights, self.drafter.config.block_size).sum()
         return dspark_losses(
-            out.logits, out.target_probs, out.targets, out.conf_logits, out.row_weights, self.weights,
+            out.logits, out.target, out.targets, out.conf_logits, out.row_weights, self.weights,
             denominator=data_parallel_denominator(local),
         )

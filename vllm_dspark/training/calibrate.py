@@ -98,7 +98,7 @@ def collect_confidences(
         batch = pack_batch([store.get(i) for i in indices[start : start + batch_seqs]], anchors_per_seq, drafter.config.block_size, None)
         out = teacher_forced_blocks(drafter, batch)
         logits_out.append(out.conf_logits)
-        accept_out.append(acceptance_label(total_variation_l1(torch.softmax(out.logits, -1), out.target_probs)))
+        accept_out.append(acceptance_label(total_variation_l1(torch.softmax(out.logits, -1), out.target)))
     return torch.cat(logits_out), torch.cat(accept_out)
 
 

@@ -1,14 +1,16 @@
 """Target features for drafter training: cached on disk in bf16 shards, or computed on the fly.
 
 The drafter reads the target's hidden states at `target_layer_ids` (its context) and is
-trained against the target's next-token distribution, which the frozen LM head rebuilds
-from the target's last hidden state (DSPARK.md section 2). Running the target is the
-slow part on a CPU, so `vllm-dspark extract-features` runs it once per record and stores:
+trained against the target's next-token distribution (DSPARK.md section 2), kept as its
+top k probabilities per position (soft_labels.py; the TV loss's bound is in losses.py).
+Running the target is the slow part on a CPU, so `vllm-dspark extract-features` runs it
+once per record, LM head included, and stores:
 
-    DIR/meta.json                 target fingerprint, layer ids, sizes, dtype
+    DIR/meta.json                 target fingerprint, layer ids, sizes, dtype, soft_label_topk
     DIR/index.jsonl               one line per sequence: id, shard, key, length, response_start
-    DIR/shard-00000.safetensors   per sequence "<key>.input_ids" (int32),
-                                  "<key>.context" [T, m*d] and "<key>.last_hidden" [T, d] (bf16)
+    DIR/shard-00000.safetensors   per sequence "<key>.input_ids" (int32), "<key>.context"
+                                  [T, m*d] (bf16), "<key>.topk_ids" [T, k] (int32) and
+                                  "<key>.topk_probs" [T, k] (fp16)
 
 Memory stays bounded whatever the data size: records are streamed, a shard is flushed
 once it holds `shard_tokens` tokens, and readers memory-map one tensor at a time. A shard
@@ -40,13 +42,15 @@ from vllm_dspark.config import ConfigError, DrafterConfig
 from vllm_dspark.model.drafter import read_target_config
 from vllm_dspark.model.init_drafter import spread_layer_ids
 from vllm_dspark.model.target_features import capture_target_states
+from vllm_dspark.training.soft_labels import DEFAULT_TOPK, TopKProbs
 
 logger = logging.getLogger(__name__)
 
 META_FILE = "meta.json"
 INDEX_FILE = "index.jsonl"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1 stored the last hidden state instead of top-k soft labels
 STORE_DTYPE = torch.bfloat16
+PROBS_DTYPE = torch.float16  # probabilities in [0, 1]: 11 significant bits
 
 
 class FeatureError(ValueError):
@@ -129,7 +133,7 @@ class SequenceFeatures:
 
     input_ids: torch.Tensor  # [T] int64
     context: torch.Tensor  # [T, m * d] target states at the drafter's layers
-    last_hidden: torch.Tensor  # [T, d] target's final-normed state, p_t = softmax(lm_head(.))
+    soft_labels: TopKProbs  # [T, k] the target's next-token distribution after each position
     response_start: int  # loss mask: positions >= response_start
 
     @property
@@ -191,19 +195,21 @@ def load_target(target_dir: Path, device: torch.device = torch.device("cpu")) ->
     return model.to(device).eval().requires_grad_(False)
 
 
+@torch.no_grad()
 def run_target(
-    model: torch.nn.Module, sequences: list[list[int]], layer_ids: list[int]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Context and last hidden states per sequence from one right-padded batch, on the CPU
-    wherever the target runs (like features read from disk). Causal attention means the
-    padding after a sequence cannot change its states."""
+    model: torch.nn.Module, sequences: list[list[int]], layer_ids: list[int], topk: int
+) -> list[tuple[torch.Tensor, TopKProbs]]:
+    """Context states and top-k soft labels per sequence from one right-padded batch, on
+    the CPU wherever the target runs (like features read from disk). Causal attention
+    means the padding after a sequence cannot change its states."""
     longest = max(len(s) for s in sequences)
     batch = torch.zeros(len(sequences), longest, dtype=torch.long)
     for row, ids in enumerate(sequences):
         batch[row, : len(ids)] = torch.tensor(ids)
     context, last = capture_target_states(model, batch.to(model.device), layer_ids)
-    context, last = context.cpu(), last.cpu()
-    return [(context[row, : len(ids)], last[row, : len(ids)]) for row, ids in enumerate(sequences)]
+    labels = TopKProbs.from_logits(model.get_output_embeddings()(last.to(model.dtype)), topk).to(torch.device("cpu"))
+    context = context.cpu()
+    return [(context[row, : len(ids)], labels[row, : len(ids)]) for row, ids in enumerate(sequences)]
 
 
 # ------------------------------------------------------------------ disk store
@@ -235,11 +241,12 @@ class FeatureWriter:
         self._entries: list[dict[str, Any]] = []
         self._buffered_tokens = 0
 
-    def add(self, record: TokenRecord, context: torch.Tensor, last_hidden: torch.Tensor) -> None:
+    def add(self, record: TokenRecord, context: torch.Tensor, soft_labels: TopKProbs) -> None:
         key = str(len(self._entries))
         self._tensors[f"{key}.input_ids"] = torch.tensor(record.input_ids, dtype=torch.int32)
         self._tensors[f"{key}.context"] = context.to(STORE_DTYPE).contiguous()
-        self._tensors[f"{key}.last_hidden"] = last_hidden.to(STORE_DTYPE).contiguous()
+        self._tensors[f"{key}.topk_ids"] = soft_labels.ids.to(torch.int32).contiguous()
+        self._tensors[f"{key}.topk_probs"] = soft_labels.probs.to(PROBS_DTYPE).contiguous()
         self._entries.append(
             {"id": record.id, "key": key, "length": len(record.input_ids), "response_start": record.response_start}
         )
@@ -280,7 +287,10 @@ class FeatureStore:
             raise FeatureError(f"no features in {self.dir} ({META_FILE} missing); run extract-features")
         self.meta = json.loads(meta_path.read_text())
         if self.meta.get("format_version") != FORMAT_VERSION:
-            raise FeatureError(f"{meta_path}: unsupported format_version {self.meta.get('format_version')}")
+            raise FeatureError(
+                f"{meta_path}: format_version {self.meta.get('format_version')}, this version reads "
+                f"{FORMAT_VERSION} (top-k soft labels); run extract-features again into a new directory"
+            )
         self.layer_ids: list[int] = self.meta["layer_ids"]
         self.fingerprint: dict[str, Any] = self.meta["target"]
         self.entries = read_index(self.dir)
@@ -306,7 +316,7 @@ class FeatureStore:
         return SequenceFeatures(
             input_ids=handle.get_tensor(f"{key}.input_ids").long(),
             context=handle.get_tensor(f"{key}.context").float(),
-            last_hidden=handle.get_tensor(f"{key}.last_hidden").float(),
+            soft_labels=TopKProbs(handle.get_tensor(f"{key}.topk_ids").long(), handle.get_tensor(f"{key}.topk_probs").float()),
             response_start=entry["response_start"],
         )
 
@@ -324,8 +334,10 @@ class OnTheFlyFeatures:
         max_seq_len: int,
         heldout_frac: float = 0.0,
         device: torch.device = torch.device("cpu"),
+        topk: int = DEFAULT_TOPK,
     ) -> None:
         self.layer_ids = list(layer_ids)
+        self.topk = topk
         self.fingerprint = target_fingerprint(target_dir)
         self.records = []
         for record in iter_records(data, max_seq_len):
@@ -344,8 +356,8 @@ class OnTheFlyFeatures:
 
     def get(self, index: int) -> SequenceFeatures:
         ids, start = self.records[index]
-        [(context, last)] = run_target(self.model, [ids.tolist()], self.layer_ids)
-        return SequenceFeatures(ids.long(), context, last, start)
+        [(context, labels)] = run_target(self.model, [ids.tolist()], self.layer_ids, self.topk)
+        return SequenceFeatures(ids.long(), context, labels, start)
 
 
 def check_vocabulary(record: TokenRecord, vocab_size: int, where: Path) -> None:
@@ -378,6 +390,7 @@ def extract_features(
     max_tokens: int | None = None,
     batch_tokens: int = 2048,
     shard_tokens: int = 32768,
+    topk: int = DEFAULT_TOPK,
 ) -> ExtractStats:
     """Stream `data`, run the target and write features; records whose id hashes below
     `heldout_frac` go to `heldout_dir` (for calibration), the rest to `out_dir`. Stops
@@ -399,6 +412,7 @@ def extract_features(
         "layer_ids": list(layer_ids),
         "dtype": "bfloat16",
         "max_seq_len": max_seq_len,
+        "soft_label_topk": topk,
     }
     writers = {"train": FeatureWriter(out_dir, meta, shard_tokens)}
     if heldout_dir is not None:
@@ -421,9 +435,9 @@ def extract_features(
             while size < len(pending) and len(pending[size][0].input_ids) * (size + 1) <= batch_tokens:
                 size += 1
             batch, pending[:] = pending[:size], pending[size:]
-            outputs = run_target(model, [r.input_ids for r, _ in batch], layer_ids)
-            for (record, writer), (context, last) in zip(batch, outputs):
-                writer.add(record, context, last)
+            outputs = run_target(model, [r.input_ids for r, _ in batch], layer_ids, topk)
+            for (record, writer), (context, labels) in zip(batch, outputs):
+                writer.add(record, context, labels)
                 stats.sequences += 1
                 stats.tokens += len(record.input_ids)
                 stats.response_tokens += len(record.input_ids) - record.response_start
@@ -470,6 +484,7 @@ def _run(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             batch_tokens=args.batch_tokens,
             shard_tokens=args.shard_tokens,
+            topk=args.soft_label_topk,
         )
     except (FeatureError, ConfigError, OSError) as exc:
         print(f"extract-features: {exc}", file=sys.stderr)
@@ -502,4 +517,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                         help="padded tokens per target forward pass")
     parser.add_argument("--shard-tokens", type=positive_int, default=32768,
                         help="tokens per shard file (bounds memory)")
+    parser.add_argument("--soft-label-topk", type=positive_int, default=DEFAULT_TOPK,
+                        help="target probabilities kept per position (the TV loss's error is at most "
+                             "twice the mass left out; `benchmarks/train_throughput.py` reports it)")
     parser.set_defaults(func=_run)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vllm_dspark.training.soft_labels import TopKProbs
+
 
 @dataclass(frozen=True)
 class LossWeights:
@@ -27,9 +29,16 @@ def position_weights(block_size: int, device: torch.device | None = None) -> tor
     return torch.exp(-torch.arange(block_size, dtype=torch.float32, device=device) / block_size)
 
 
-def total_variation_l1(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """||p_d - p_t||_1 over the last axis (twice the total-variation distance), in [0, 2]."""
-    return (draft_probs - target_probs).abs().sum(-1)
+def total_variation_l1(draft_probs: torch.Tensor, target: TopKProbs) -> torch.Tensor:
+    """||p_d - p_t||_1 over the last axis (twice the total-variation distance), in [0, 2],
+    from the target's top k: exact on the k kept tokens, and q_out + r outside them (q_out
+    the draft's mass there, r the target's). The true outside sum lies in
+    [|q_out - r|, q_out + r], so this is an upper bound, too large by at most
+    2 min(q_out, r) <= 2 r, and exact for k = V. The acceptance label 1 - TV/2 is then a
+    lower bound, too small by at most min(q_out, r) <= r."""
+    q_top = draft_probs.gather(-1, target.ids)
+    q_out = (1.0 - q_top.sum(-1)).clamp_min(0.0)
+    return (q_top - target.probs).abs().sum(-1) + q_out + target.rest
 
 
 def acceptance_label(tv_l1: torch.Tensor) -> torch.Tensor:
@@ -52,7 +61,7 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor, denominator: torc
 
 def dspark_losses(
     logits: torch.Tensor,
-    target_probs: torch.Tensor,
+    target: TopKProbs,
     targets: torch.Tensor,
     conf_logits: torch.Tensor | None,
     row_weights: torch.Tensor,
@@ -61,7 +70,7 @@ def dspark_losses(
 ) -> dict[str, torch.Tensor]:
     """The three losses and their weighted total.
 
-    logits: draft logits [N, K, V]; target_probs: p_t [N, K, V]; targets: ground-truth next
+    logits: draft logits [N, K, V]; target: p_t's top k [N, K, k]; targets: ground-truth next
     tokens [N, K]; conf_logits: raw confidence logits [N, K] (None without a confidence
     head); row_weights: [N]; denominator: what the weighted sums are divided by, by default
     this batch's total supervision weight (a mean over its positions); data-parallel
@@ -73,8 +82,11 @@ def dspark_losses(
     if denominator is None:
         denominator = sup_w.sum()
     log_probs = torch.log_softmax(logits.float(), dim=-1)
-    ce = -log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    tv = total_variation_l1(log_probs.exp(), target_probs)
+    target_log_probs = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # A reduced draft vocabulary gives -inf outside its subset: a target token there has
+    # no CE term (the drafter cannot learn to emit it); TV still charges the lost mass.
+    ce = torch.where(torch.isfinite(target_log_probs), -target_log_probs, 0.0)
+    tv = total_variation_l1(log_probs.exp(), target)
     accept = acceptance_label(tv)
     losses = {
         "ce": weighted_mean(ce, sup_w, denominator),
