@@ -3,6 +3,7 @@ CPU-second of one training step (packing, teacher-forced pass, losses, backward,
 as `vllm-dspark train` takes it, on SmolLM2 features of the committed corpus.
 
     python benchmarks/train_throughput.py --label "top-k labels"
+    python benchmarks/train_throughput.py --label "top-k, 8192-word draft vocabulary" --draft-vocab-size 8192 --append
     # the same script against another checkout (e.g. the code before a change):
     PYTHONPATH=/tmp/before python benchmarks/train_throughput.py --label "before" --append
 
@@ -55,6 +56,19 @@ def topk_coverage(target: Path, sequences: list, ks: list[int]) -> dict[int, flo
             for k, value in coverage(logits, ks).items():
                 kept[k].append(value)
     return {k: statistics.fmean(v) for k, v in kept.items()}
+
+
+def reduced(drafter, target: Path, corpus: Path, size: int):
+    """The same drafter with a reduced draft vocabulary picked from the corpus."""
+    import tempfile
+
+    from vllm_dspark.model.drafter import DSparkDrafter
+    from vllm_dspark.model.reduce_vocab import reduce_with_report
+
+    with tempfile.TemporaryDirectory() as tmp:
+        drafter.save_pretrained(Path(tmp) / "full")
+        reduce_with_report(Path(tmp) / "full", target, corpus, size, Path(tmp) / "reduced")
+        return DSparkDrafter.from_pretrained(Path(tmp) / "reduced", target)
 
 
 def time_steps(drafter, sequences: list, steps: int, batch_seqs: int, anchors: int, threads: int) -> dict:
@@ -123,6 +137,7 @@ def main() -> int:
     parser.add_argument("--batch-seqs", type=int, default=4)
     parser.add_argument("--anchors-per-seq", type=int, default=32)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--draft-vocab-size", type=int, default=None, help="train a reduced draft vocabulary of this size")
     parser.add_argument("--append", action="store_true", help="add to the committed rows instead of replacing them")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -140,6 +155,8 @@ def main() -> int:
         drafter = DSparkDrafter(config)
         init_weights(drafter, 0)
         drafter.load_shared_from_target(target)
+        if args.draft_vocab_size:
+            drafter = reduced(drafter, target, args.data, args.draft_vocab_size)
         row = {"label": args.label, **time_steps(drafter, sequences, args.steps, args.batch_seqs, args.anchors_per_seq, threads)}
         print(json.dumps(row), flush=True)
         rows.append(row)
