@@ -128,7 +128,8 @@ def _run(args: argparse.Namespace) -> int:
         init_drafter(args.target, args.out, **options)
         print(f"untrained drafter written to {args.out}")
         return 0
-    from vllm_dspark.model.reduce_vocab import reduce_with_report  # it imports the training data reader
+    # Imported here: reduce_vocab reads corpora through training.features, which imports this module.
+    from vllm_dspark.model.reduce_vocab import reduce_with_report
 
     if args.corpus is None:
         print("init-drafter: --draft-vocab-size needs --corpus (the target's own generations)", file=sys.stderr)

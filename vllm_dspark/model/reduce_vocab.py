@@ -138,6 +138,8 @@ class DraftVocabChoice:
 
 
 def choose_from_corpus(corpus: Path, target_dir: Path, size: int) -> DraftVocabChoice:
+    """The `size` tokens most frequent in the corpus's training records, and the held-out
+    coverage of the report sizes (and of `size`) to choose N from."""
     target_config = read_target_config(target_dir)
     train, heldout = token_counts(corpus, target_config["vocab_size"])
     special = special_token_ids(target_config)
