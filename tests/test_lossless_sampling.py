@@ -1,5 +1,7 @@
-"""At temperature 1, speculation through vLLM with the `dspark` policy leaves the output
-distribution exactly the target's (chi-square against the exact distribution)."""
+"""Speculation through vLLM leaves the output distribution exactly the target's
+(chi-square against the exact distribution): at temperature 1 with the `dspark` policy
+and with hybrid n-gram proposals, and in one batch mixing temperatures, top-k and top-p,
+where a negative control with wrong draft rows must fail."""
 
 from __future__ import annotations
 
