@@ -20,6 +20,7 @@ Writes benchmarks/results/train_throughput.{json,md}.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -150,13 +151,14 @@ def main() -> int:
     target = args.target or smollm2_checkpoint()
     config = drafter_config_for_target(target)
     sequences = load_sequences(target, args.data, config.target_layer_ids, args.sequences, args.max_seq_len)
+    initial = DSparkDrafter(config)
+    init_weights(initial, 0)
+    initial.load_shared_from_target(target)
+    if args.draft_vocab_size:
+        initial = reduced(initial, target, args.data, args.draft_vocab_size)
     rows = []
     for threads in args.threads:
-        drafter = DSparkDrafter(config)
-        init_weights(drafter, 0)
-        drafter.load_shared_from_target(target)
-        if args.draft_vocab_size:
-            drafter = reduced(drafter, target, args.data, args.draft_vocab_size)
+        drafter = copy.deepcopy(initial)  # every thread count starts from the same weights
         row = {"label": args.label, **time_steps(drafter, sequences, args.steps, args.batch_seqs, args.anchors_per_seq, threads)}
         print(json.dumps(row), flush=True)
         rows.append(row)
