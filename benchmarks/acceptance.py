@@ -15,7 +15,7 @@ Outputs under --out-dir (default benchmarks/results/):
   traces/acceptance_<drafter>_<dataset>_T<temp>.jsonl   rounds for the scheduling simulator
 
 Usage: python benchmarks/acceptance.py [--drafter NAME=DIR ...] [--num-prompts N]
-       [--max-new-tokens M] [--out-dir DIR]
+       [--max-new-tokens M] [--jobs J] [--out-dir DIR]
 The default size (10 prompts per dataset, 96 new tokens per turn, 12 cells) takes about
 20-40 minutes on this project's busy 2-core CPU machine (one torch thread).
 """
@@ -23,11 +23,13 @@ The default size (10 prompts per dataset, 96 new tokens per turn, 12 cells) take
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import fcntl
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import shlex
 import shutil
@@ -144,6 +146,10 @@ def ratio(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]
     return r, r * math.sqrt((a[1] / a[0]) ** 2 + (b[1] / b[0]) ** 2)
 
 
+def interval95(value: float, stderr: float, digits: int) -> str:
+    return f"[{value - 1.96 * stderr:.{digits}f}, {value + 1.96 * stderr:.{digits}f}]"
+
+
 def summarise(results: dict[str, dict[str, dict[str, dict]]], names: list[str]) -> dict:
     """results[drafter][temperature][dataset] -> the acceptance.json body."""
     summary: dict = {"cells": {}, "macro_tau": {}, "ratio": {}}
@@ -222,7 +228,8 @@ def write_markdown(summary: dict, results: dict, names: list[str], datasets: lis
         f"Produced by `{shlex.join(['python', 'benchmarks/acceptance.py', *args.argv])}` (chain drafting, "
         f"fixed K = {args.block_size or 'block size'}, exact rejection sampling; {args.num_prompts} prompts per "
         f"dataset, {args.max_new_tokens} new tokens per turn, seed {args.seed}). tau counts the bonus token; ± is "
-        "the standard error clustered by prompt.",
+        "the standard error clustered by prompt, [..] the 95% interval (normal approximation; the ratio's treats "
+        "the two drafters as independent, which overstates it: both answer the same prompts).",
         "Drafters: " + ", ".join(f"`{n}` = `{shown(p)}`" for n, p in args.drafter) + ".",
         "",
     ]
@@ -234,10 +241,11 @@ def write_markdown(summary: dict, results: dict, names: list[str], datasets: lis
             m = summary["macro_tau"][name][temp]
             lines.append(f"| {name} | " + " | ".join(
                 f"{cells[ds]['tau']:.2f} ± {cells[ds]['tau_stderr'] or 0:.2f}" for ds in datasets
-            ) + f" | {m['tau']:.2f} ± {m['stderr']:.2f} |")
+            ) + f" | {m['tau']:.2f} ± {m['stderr']:.2f} {interval95(m['tau'], m['stderr'], 2)} |")
         r = summary["ratio"][temp]
         lines.append(f"| {first}/{second} | " + " | ".join(f"{r[ds]['ratio']:.3f}" for ds in datasets)
-                     + f" | **{r['macro']['ratio']:.3f}** ± {r['macro']['stderr']:.3f} |")
+                     + f" | **{r['macro']['ratio']:.3f}** ± {r['macro']['stderr']:.3f} "
+                     f"{interval95(r['macro']['ratio'], r['macro']['stderr'], 3)} |")
         k = len(results[first][temp][datasets[0]]["acceptance_by_position"])
         lines += ["", "Conditional acceptance by position (mean calibrated c_k over the same rounds in "
                   "brackets) and the ECE of the prefix survival a_k = c_1...c_k:", "",
@@ -257,7 +265,8 @@ def write_markdown(summary: dict, results: dict, names: list[str], datasets: lis
     lines += [
         "## Summary",
         "",
-        *(f"- T={temp}: macro {first}/{second} = {r['macro']['ratio']:.3f} ± {r['macro']['stderr']:.3f}"
+        *(f"- T={temp}: macro {first}/{second} = {r['macro']['ratio']:.3f} ± {r['macro']['stderr']:.3f}, 95% "
+          f"{interval95(r['macro']['ratio'], r['macro']['stderr'], 3)}"
           for temp, r in summary["ratio"].items()),
         *(f"- {name}, T={temp}: conditional acceptance by position, mean over datasets: "
           + " ".join(fmt(x) for x in trend)
@@ -291,7 +300,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--block-size", type=int, default=None, help="K (default: the drafters' block size)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (see `vllm-dspark eval --help`)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per cell (see `vllm-dspark eval --help`)")
+    parser.add_argument("--jobs", type=int, default=1, help="cells evaluated at once, one process each")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
     args.argv = sys.argv[1:]
@@ -318,6 +328,7 @@ def main() -> None:
 def run_all(args: argparse.Namespace, names: list[str], cell_dir: Path, trace_dir: Path) -> None:
     start = time.perf_counter()
     results: dict[str, dict[str, dict[str, dict]]] = {}
+    cells: dict[tuple[str, str, str], tuple] = {}
     for name, path in args.drafter:
         drafter_hash = fingerprint(path)
         for temp in args.temperatures:
@@ -328,8 +339,14 @@ def run_all(args: argparse.Namespace, names: list[str], cell_dir: Path, trace_di
                     block_size=args.block_size, seed=args.seed,
                 )
                 cell = cell_name(name, ds, temp)
-                results.setdefault(name, {}).setdefault(str(temp), {})[ds] = run_cell(
-                    settings, cell_dir / f"{cell}.json", trace_dir / f"acceptance_{cell}.jsonl", drafter_hash)
+                cells[name, str(temp), ds] = (settings, cell_dir / f"{cell}.json", trace_dir / f"acceptance_{cell}.jsonl",
+                                              drafter_hash)
+    # Cells are independent; --jobs runs them in worker processes of --threads threads each.
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=torch.set_num_threads, initargs=(args.threads,)) as pool:
+        futures = {where: pool.submit(run_cell, *cell) for where, cell in cells.items()}
+        for (name, temp, ds), future in futures.items():
+            results.setdefault(name, {}).setdefault(temp, {})[ds] = future.result()
 
     figures = ["acceptance_by_position.png"]
     plot_by_position(results, names, args.datasets, args.out_dir / figures[0])
@@ -341,7 +358,7 @@ def run_all(args: argparse.Namespace, names: list[str], cell_dir: Path, trace_di
     summary["settings"] = {
         "target": str(args.target), "drafters": {n: str(p) for n, p in args.drafter}, "datasets": args.datasets,
         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
-        "seed": args.seed, "threads": args.threads, "figures": figures,
+        "seed": args.seed, "threads": args.threads, "jobs": args.jobs, "figures": figures,
     }
     (args.out_dir / "acceptance.json").write_text(json.dumps(summary, indent=2) + "\n")
     write_markdown(summary, results, names, args.datasets, args, figures, args.out_dir / "acceptance.md")

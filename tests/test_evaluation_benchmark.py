@@ -1,4 +1,4 @@
-"""benchmarks/acceptance.py end to end on the tiny target: outputs, traces, resume."""
+"""benchmarks/acceptance.py end to end on the tiny target: outputs, traces, resume, worker processes."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_acceptance_benchmark_dry_run_and_resume(tiny_target: Path, tmp_path: Pa
     out = tmp_path / "results"
     args = ["--drafter", f"a={drafters[0]}", "--drafter", f"b={drafters[1]}", "--target", str(tiny_target),
             "--eval-dir", str(eval_dir), "--num-prompts", "1", "--max-new-tokens", "6", "--out-dir", str(out)]
-    first = run_benchmark(args)
+    first = run_benchmark([*args, "--jobs", "2"])
     summary = json.loads((out / "acceptance.json").read_text())
     assert set(summary["macro_tau"]) == {"a", "b"} and set(summary["ratio"]) == {"0.0", "1.0"}
     assert summary["ratio_of"] == "a / b"
@@ -43,3 +43,8 @@ def test_acceptance_benchmark_dry_run_and_resume(tiny_target: Path, tmp_path: Pa
     assert "stored" not in first
     second = run_benchmark(args)
     assert second.count("stored") == 12
+    # Cells evaluated one after another give what two worker processes gave.
+    for cell in (out / "acceptance_cells").glob("*.json"):
+        cell.unlink()
+    run_benchmark(args)
+    assert json.loads((out / "acceptance.json").read_text())["macro_tau"] == summary["macro_tau"]

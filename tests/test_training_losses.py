@@ -76,17 +76,44 @@ def test_padding_blocks_do_not_count() -> None:
 
 
 def test_reduced_vocabulary_targets_outside_the_subset_stay_finite() -> None:
-    """A drafter that cannot emit token 2 (logit -inf, as a reduced vocabulary gives): the
-    block whose true next token is 2 adds no CE but its lost mass to TV; gradients finite."""
-    logits = torch.tensor([[[1.0, 0.0, float("-inf")], [0.0, 1.0, float("-inf")]]], requires_grad=True)
+    """A drafter whose vocabulary lacks target token 2 (draft ids 0, 1 = target ids 0, 1):
+    the block whose true next token is 2 adds no CE but its unreachable mass to TV;
+    gradients finite."""
+    logits = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]], requires_grad=True)
     p_t = torch.tensor([[[0.2, 0.2, 0.6], [0.5, 0.5, 0.0]]])
-    out = dspark_losses(logits, TopKProbs.of(p_t, 3), torch.tensor([[2, 1]]), None, torch.ones(1))
+    to_draft = torch.tensor([0, 1, -1])
+    target = TopKProbs.of(p_t, 3).reindexed(to_draft)
+    out = dspark_losses(logits, target, to_draft[torch.tensor([[2, 1]])], None, torch.ones(1))
     w = position_weights(2)
-    q = torch.softmax(logits.detach(), -1)
+    q = torch.cat([torch.softmax(logits.detach(), -1), torch.zeros(1, 2, 1)], -1)  # 0 on token 2
     assert out["ce"].item() == pytest.approx(float(w[1] * -q[0, 1, 1].log() / w.sum()), rel=1e-5)
     assert out["tv"].item() == pytest.approx(float((w * (q - p_t).abs().sum(-1)[0]).sum() / w.sum()), rel=1e-5)
     out["total"].backward()
     assert torch.isfinite(logits.grad).all()
+
+
+def test_draft_vocabulary_losses_equal_the_target_vocabulary_view() -> None:
+    """Losses computed over a reduced draft vocabulary's own ids (what training does) equal
+    those of the same logits widened to the target vocabulary with -inf outside the subset."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, subset = 50, torch.tensor([3, 7, 8, 20, 21, 30, 41, 49])
+    to_draft = torch.full((vocab,), -1)
+    to_draft[subset] = torch.arange(len(subset))
+    logits = torch.randn(4, 3, len(subset), generator=generator)
+    p_t = torch.softmax(2 * torch.randn(4, 3, vocab, generator=generator), -1)
+    p_t[..., subset] += 0.05  # some kept tokens inside the subset, some outside
+    target = TopKProbs.of(p_t / p_t.sum(-1, keepdim=True), 6)
+    targets = torch.where(torch.rand(4, 3, generator=generator) < 0.5, subset[torch.randint(0, 8, (4, 3), generator=generator)],
+                          torch.randint(0, vocab, (4, 3), generator=generator))
+    conf, rows = torch.randn(4, 3, generator=generator), torch.ones(4)
+    widened = torch.full((4, 3, vocab), float("-inf"))
+    widened[..., subset] = logits
+    reduced = dspark_losses(logits, target.reindexed(to_draft), to_draft[targets], conf, rows)
+    # The widened view's CE skips the same blocks: targets outside the subset get -inf.
+    full = dspark_losses(widened, target, targets.masked_fill(to_draft[targets] < 0, -1), conf, rows)
+    for name in ("ce", "tv", "conf", "total"):
+        assert reduced[name].item() == pytest.approx(full[name].item(), rel=1e-5), name
+    assert (to_draft[targets] < 0).any() and (target.reindexed(to_draft).ids < 0).any()
 
 
 def test_top_k_tv_within_its_stated_bound_of_the_full_one() -> None:

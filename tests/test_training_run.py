@@ -26,7 +26,8 @@ from vllm_dspark.model.drafter import DSparkDrafter
 from vllm_dspark.model.target_features import capture_target_states
 from vllm_dspark.training import train as train_module
 from vllm_dspark.training.blocks import BlockBatch, DrafterLoss
-from vllm_dspark.training.distributed import DeviceError, select_device
+from vllm_dspark.training import distributed
+from vllm_dspark.training.distributed import DeviceError, cpu_has_bf16_matmul, select_device, uses_bf16
 from vllm_dspark.training.features import FeatureStore, OnTheFlyFeatures, heldout_score, read_index
 from vllm_dspark.training.soft_labels import DEFAULT_TOPK
 
@@ -113,13 +114,20 @@ def test_extract_resumes_without_redoing(tiny_target: Path, tiny_data: Path, fea
 
 
 # ---------------------------------------------------------------- training
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
-def test_short_training_lowers_loss(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path, device: str, capsys) -> None:
+@pytest.mark.parametrize("device, precision", [
+    ("cpu", "auto"),
+    pytest.param("cpu", "bf16", marks=pytest.mark.skipif(not cpu_has_bf16_matmul(), reason="no native bf16 on this CPU")),
+    pytest.param("cuda", "auto", marks=needs_cuda),
+])
+def test_short_training_lowers_loss(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path, device: str,
+                                    precision: str, capsys) -> None:
     out = tmp_path / "drafter"
     argv = train_argv(tiny_target, features[0], out, *DRAFTER, "--steps", "40", "--save-every", "0",
-                      "--save-dtype", "bfloat16", "--device", device)
+                      "--save-dtype", "bfloat16", "--device", device, "--precision", precision)
     assert main(argv) == 0
-    assert json.loads(capsys.readouterr().out.split("train: ", 1)[1])["device"] == device
+    summary = json.loads(capsys.readouterr().out.split("train: ", 1)[1])
+    assert summary["device"] == device
+    assert summary["precision"] == ("fp32" if (device, precision) == ("cpu", "auto") else "bf16")
     log = read_log(out)
     assert len(log) == 40
     first = sum(r["total"] for r in log[:5]) / 5
@@ -151,8 +159,29 @@ def test_reduced_vocabulary_drafter_trains(tiny_target: Path, tiny_data: Path, f
     assert torch.equal(trained.draft_to_target(), DSparkDrafter.from_pretrained(reduced, tiny_target).draft_to_target())
 
 
+def test_warm_start_copies_the_targets_top_layers(tiny_target: Path, tmp_path: Path) -> None:
+    """init-drafter --layers-from-target: the two draft layers are the tiny target's layers 2
+    and 3 (its top two), and fc passes the deepest captured layer's features through."""
+    out = tmp_path / "warm"
+    assert main(["init-drafter", "--target", str(tiny_target), "--out", str(out), "--num-layers", "2",
+                 "--block-size", "4", "--markov-rank", "16", "--layers-from-target"]) == 0
+    drafter = DSparkDrafter.from_pretrained(out, tiny_target)
+    target = load_file(str(tiny_target / "model.safetensors"))
+    for i, src in enumerate((2, 3)):
+        for name in ("self_attn.q_proj.weight", "self_attn.v_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
+            assert torch.equal(drafter.layers[i].get_parameter(name), target[f"model.layers.{src}.{name}"]), (i, name)
+    d = drafter.config.hidden_size
+    states = torch.randn(3, d * len(drafter.config.target_layer_ids))
+    assert torch.allclose(drafter.fc(states), states[:, -d:])
+    random = tmp_path / "random"
+    assert main(["init-drafter", "--target", str(tiny_target), "--out", str(random), "--num-layers", "2",
+                 "--block-size", "4", "--markov-rank", "16"]) == 0
+    cold = DSparkDrafter.from_pretrained(random, tiny_target)
+    assert not torch.equal(cold.layers[0].self_attn.q_proj.weight, drafter.layers[0].self_attn.q_proj.weight)
+
+
 def test_resume_continues_exactly(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path, monkeypatch) -> None:
-    common = [*DRAFTER, "--steps", "6", "--save-every", "3"]
+    common = [*DRAFTER, "--steps", "6", "--save-every", "3", "--heldout", str(features[1])]
     assert main(train_argv(tiny_target, features[0], tmp_path / "straight", *common)) == 0
 
     calls = {"n": 0}
@@ -168,11 +197,48 @@ def test_resume_continues_exactly(tiny_target: Path, features: tuple[Path, Path]
     with pytest.raises(KeyboardInterrupt):
         main(train_argv(tiny_target, features[0], tmp_path / "resumed", *common))
     monkeypatch.setattr(train_module, "pack_batch", real_pack)
-    assert main(train_argv(tiny_target, features[0], tmp_path / "resumed", "--steps", "6", "--save-every", "3", "--resume")) == 0
+    assert main(train_argv(tiny_target, features[0], tmp_path / "resumed", "--steps", "6", "--save-every", "3",
+                           "--heldout", str(features[1]), "--resume")) == 0
     assert [r["step"] for r in read_log(tmp_path / "resumed")] == [1, 2, 3, 4, 5, 6]
+    heldout = [(tmp_path / run / "heldout_log.jsonl").read_text() for run in ("straight", "resumed")]
+    assert heldout[0] == heldout[1] and [json.loads(r)["step"] for r in heldout[0].splitlines()] == [3, 6]
     a = load_file(str(tmp_path / "straight" / "model.safetensors"))
     b = load_file(str(tmp_path / "resumed" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # One schedule over two sessions: --stop-at 3 writes no drafter, --resume finishes it.
+    sliced = tmp_path / "sliced"
+    assert main(train_argv(tiny_target, features[0], sliced, *common, "--stop-at", "3")) == 0
+    assert not (sliced / "model.safetensors").exists() and (sliced / "checkpoint").is_dir()
+    assert main(train_argv(tiny_target, features[0], sliced, "--steps", "6", "--save-every", "3",
+                           "--heldout", str(features[1]), "--resume")) == 0
+    c = load_file(str(sliced / "model.safetensors"))
+    assert all(torch.equal(a[k], c[k]) for k in a)
+    assert (sliced / "heldout_log.jsonl").read_text() == heldout[0]
+
+
+def test_kept_drafter_is_the_best_heldout_checkpoint(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path,
+                                                     monkeypatch, capsys) -> None:
+    """Held-out accepted lengths 1.5, 2.0, 1.7 at steps 2, 4, 6: the drafter written is step
+    4's, not the last one, and the summary says so."""
+    taus = iter([1.5, 2.0, 1.7])
+    real = train_module.heldout_survival
+
+    def scripted(*args, **kwargs):
+        return {**real(*args, **kwargs), "tau": next(taus)}
+
+    monkeypatch.setattr(train_module, "heldout_survival", scripted)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(train_argv(tiny_target, features[0], out, *DRAFTER, "--steps", "6", "--save-every", "2",
+                           "--heldout", str(features[1]))) == 0
+    summary = json.loads(capsys.readouterr().out.split("train: ", 1)[1])
+    assert summary["kept_step"] == 4 and summary["heldout"]["tau"] == 2.0
+    rows = [json.loads(line) for line in (out / "heldout_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 6] and all(len(r["survival"]) == 4 for r in rows)
+    assert all(1.0 >= a >= b >= 0.0 for r in rows for a, b in zip(r["survival"], r["survival"][1:]))
+    kept, best, last = (load_file(str(d / "model.safetensors")) for d in (out, out / "best", out / "checkpoint"))
+    assert all(torch.equal(kept[k], best[k]) for k in kept)
+    assert not all(torch.equal(kept[k], last[k]) for k in kept)
 
 
 def test_on_the_fly_features(tiny_target: Path, tiny_data: Path, features: tuple[Path, Path], tmp_path: Path) -> None:
@@ -283,6 +349,13 @@ def test_device_selection(monkeypatch) -> None:
         select_device("cuda")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert select_device("auto") == torch.device("cuda", 1) and chosen == [1]
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert not uses_bf16(cpu, "auto") and uses_bf16(cuda, "auto") and not uses_bf16(cuda, "fp32")
+    monkeypatch.setattr(distributed, "cpu_has_bf16_matmul", lambda: False)
+    with pytest.raises(DeviceError, match="no native bf16 products"):
+        uses_bf16(cpu, "bf16")
+    monkeypatch.setattr(distributed, "cpu_has_bf16_matmul", lambda: True)
+    assert uses_bf16(cpu, "bf16")
 
 
 # ---------------------------------------------------------------- calibration

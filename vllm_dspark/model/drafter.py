@@ -112,12 +112,14 @@ class DSparkDrafter(nn.Module):
     def teacher_forced_heads(
         self, hidden: torch.Tensor, prev_tokens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Training/evaluation view: logits [N, K, V] and raw confidence logits [N, K]
-        given the true previous tokens [N, K] (prev_tokens[:, 0] is the anchor)."""
+        """Training/evaluation view: logits [N, K, V_draft] over the drafter's own vocabulary
+        (`target_to_draft` maps target ids into it) and raw confidence logits [N, K] given
+        the true previous tokens [N, K] (prev_tokens[:, 0] is the anchor). Never widened to
+        the target vocabulary: that would cost a 49K-wide softmax per position for columns
+        that are -inf anyway."""
         n, k, _ = hidden.shape
         logits = self.lm_head(hidden)
         state = self.markov_head.initial_state(n, hidden) if self.markov_head else None
-        draft_ids = self.draft_to_target()
         biases, conf_logits = [], []
         for j in range(k):
             feature = None
@@ -128,10 +130,6 @@ class DSparkDrafter(nn.Module):
                 conf_logits.append(self.confidence_head.logit(hidden[:, j], feature))
         if biases:
             logits = logits + torch.stack(biases, dim=1)
-        if draft_ids is not None:  # target-vocabulary view: -inf outside the subset
-            full = logits.new_full((n, k, self.config.vocab_size), float("-inf"))
-            full[..., draft_ids] = logits
-            logits = full
         return logits, torch.stack(conf_logits, dim=1) if conf_logits else None
 
     def draft_to_target(self) -> torch.Tensor | None:
@@ -141,6 +139,16 @@ class DSparkDrafter(nn.Module):
             return None
         d2t = getattr(self, D2T)
         return torch.arange(len(d2t), device=d2t.device) + d2t
+
+    def target_to_draft(self) -> torch.Tensor | None:
+        """[V_target] draft id of each target id, -1 outside the subset (None for a
+        full-vocabulary drafter)."""
+        draft_ids = self.draft_to_target()
+        if draft_ids is None:
+            return None
+        index = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=draft_ids.device)
+        index[draft_ids] = torch.arange(len(draft_ids), device=draft_ids.device)
+        return index
 
     def draft(
         self,

@@ -105,11 +105,54 @@ def init_weights(model: DSparkDrafter, seed: int) -> None:
                 param.normal_(0.0, 0.02, generator=generator)
 
 
-def init_drafter(target_dir: str | Path, out_dir: str | Path, seed: int = 0, **options) -> DSparkDrafter:
+# Per-layer tensors a draft layer takes from a target layer (Llama/Qwen names); q_norm and
+# k_norm stay at one when the target has none (Llama).
+_LAYER_TENSORS = (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+    "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+)
+_OPTIONAL_LAYER_TENSORS = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+
+
+def warm_start_from_target(model: DSparkDrafter, target_dir: str | Path) -> list[int]:
+    """Draft layers from the target's top decoder layers (draft layer i <- target layer
+    L - n + i) and `fc` selecting the deepest captured layer's features (identity on its
+    slice, zero elsewhere): the drafter starts as the target's last layers reading the
+    target's own deep states. Returns the target layers used."""
+    from safetensors import safe_open
+
+    num_target = read_target_config(target_dir)["num_hidden_layers"]
+    n = len(model.layers)
+    sources = list(range(num_target - n, num_target))
+    wanted = {f"model.layers.{src}.{name}": (i, name) for i, src in enumerate(sources) for name in _LAYER_TENSORS}
+    found: set[str] = set()
+    for file in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                if key in wanted:
+                    i, name = wanted[key]
+                    model.layers[i].get_parameter(name).data.copy_(handle.get_tensor(key))
+                    found.add(name)
+    missing = [name for name in _LAYER_TENSORS if name not in found and name not in _OPTIONAL_LAYER_TENSORS]
+    if missing:
+        raise ConfigError(f"warm start: target {target_dir} lacks decoder tensors {missing}")
+    d = model.config.hidden_size
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.weight[:, -model.config.context_hidden_size :].copy_(torch.eye(d, model.config.context_hidden_size))
+    return sources
+
+
+def init_drafter(target_dir: str | Path, out_dir: str | Path, seed: int = 0, layers_from_target: bool = False,
+                 **options) -> DSparkDrafter:
     config = drafter_config_for_target(target_dir, **options)
     model = DSparkDrafter(config)
     init_weights(model, seed)
     model.load_shared_from_target(target_dir)
+    if layers_from_target:
+        used = warm_start_from_target(model, target_dir)
+        logger.info("draft layers start from target layers %s; fc selects target layer %d", used, config.target_layer_ids[-1])
     model.save_pretrained(out_dir)
     logger.info("wrote untrained drafter to %s: %s", out_dir, config.model_dump(exclude_none=True))
     return model
@@ -123,6 +166,7 @@ def _run(args: argparse.Namespace) -> int:
         markov_rank=args.markov_rank,
         markov_head_type=args.markov_head_type,
         target_layer_ids=args.target_layer_ids,
+        layers_from_target=args.layers_from_target,
     )
     if args.draft_vocab_size is None:
         init_drafter(args.target, args.out, **options)
@@ -155,6 +199,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--markov-head-type", choices=["vanilla", "gated", "rnn"], default=DEFAULT_MARKOV_HEAD_TYPE)
     parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers-from-target", action="store_true",
+                        help="warm start: draft layers copied from the target's top layers, fc selecting the "
+                        "deepest captured layer (random init otherwise)")
     parser.add_argument("--draft-vocab-size", type=int, default=None,
                         help="a reduced draft vocabulary: the N tokens the target emits most often in --corpus")
     parser.add_argument("--corpus", type=Path, default=None, help="generate-data JSONL (or .jsonl.xz), with --draft-vocab-size")

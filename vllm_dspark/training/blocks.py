@@ -102,10 +102,10 @@ def pack_batch(
 class TeacherForced:
     """Drafter outputs for the N real (non-padding) blocks of a batch."""
 
-    logits: torch.Tensor  # [N, K, V]
+    logits: torch.Tensor  # [N, K, V_draft] over the drafter's own vocabulary
     conf_logits: torch.Tensor | None  # [N, K]
-    target: TopKProbs  # [N, K, k] p_t at each predicted position
-    targets: torch.Tensor  # [N, K] ground-truth next tokens
+    target: TopKProbs  # [N, K, k] p_t at each predicted position, in draft ids
+    targets: torch.Tensor  # [N, K] ground-truth next tokens, in draft ids (-1: outside)
     row_weights: torch.Tensor  # [N]
 
 
@@ -124,11 +124,16 @@ def teacher_forced_blocks(drafter: DSparkDrafter, batch: BlockBatch) -> TeacherF
     positions = (batch.anchors.reshape(-1, 1) + torch.arange(k, device=device))[keep]  # [N, K]: p .. p+K-1
     prev_tokens = batch.input_ids[rows, positions]  # anchor, then the true tokens
     logits, conf_logits = drafter.teacher_forced_heads(hidden, prev_tokens)
+    target = TopKProbs(batch.topk_ids[rows, positions], batch.topk_probs[rows, positions])
+    targets = batch.input_ids[rows, positions + 1]
+    to_draft = drafter.target_to_draft()
+    if to_draft is not None:  # compare in the draft vocabulary's ids, where the logits are
+        target, targets = target.reindexed(to_draft), to_draft[targets]
     return TeacherForced(
         logits=logits,
         conf_logits=conf_logits,
-        target=TopKProbs(batch.topk_ids[rows, positions], batch.topk_probs[rows, positions]),
-        targets=batch.input_ids[rows, positions + 1],
+        target=target,
+        targets=targets,
         row_weights=batch.anchor_weights.reshape(-1)[keep],
     )
 

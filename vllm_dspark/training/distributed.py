@@ -1,7 +1,8 @@
 """Where a training process runs: its device, its process group under torchrun, and the
 loss denominators that make data-parallel gradients exact.
 
-Without a GPU nothing changes from a plain CPU run: fp32, gloo between ranks. With
+Without a GPU nothing changes from a plain CPU run: fp32 (bf16 autocast with
+`--precision bf16` on CPUs that multiply bf16 natively), gloo between ranks. With
 `--device cuda` (or `auto` where every rank on the node can have a GPU of its own) rank r
 drives GPU LOCAL_RANK, ranks talk over NCCL, and the forward pass runs under bf16
 autocast; master weights, optimizer state and the loss reductions stay fp32.
@@ -65,12 +66,37 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA. None on CPU: these CPUs have no bf16 arithmetic, and fp32
-    keeps a CPU run bit-for-bit resumable."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); without it bf16
+    matrix products are emulated and slower than fp32."""
+    try:
+        flags = open("/proc/cpuinfo", encoding="ascii", errors="replace").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def uses_bf16(device: torch.device, precision: str) -> bool:
+    """`auto`: bf16 on CUDA, fp32 on the CPU (bit-for-bit comparable with earlier CPU runs);
+    `bf16` on a CPU needs native bf16 products (where this machine has them, a drafter's
+    step runs about twice as fast: `benchmarks/train_throughput.py`)."""
+    if precision not in PRECISIONS:
+        raise DeviceError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "auto":
+        return device.type == "cuda"
+    if precision == "bf16" and device.type == "cpu" and not cpu_has_bf16_matmul():
+        raise DeviceError("--precision bf16 on this CPU: it has no native bf16 products (avx512_bf16 or amx_bf16); "
+                          "use fp32")
+    return precision == "bf16"
+
+
+def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
+    """The forward pass under bf16 autocast, or as it is (fp32). Master weights, optimizer
+    state and the loss reductions stay fp32 either way."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
 def data_parallel_denominator(local: torch.Tensor) -> torch.Tensor:

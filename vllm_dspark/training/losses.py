@@ -35,8 +35,9 @@ def total_variation_l1(draft_probs: torch.Tensor, target: TopKProbs) -> torch.Te
     the draft's mass there, r the target's). The true outside sum lies in
     [|q_out - r|, q_out + r], so this is an upper bound, too large by at most
     2 min(q_out, r) <= 2 r, and exact for k = V. The acceptance label 1 - TV/2 is then a
-    lower bound, too small by at most min(q_out, r) <= r."""
-    q_top = draft_probs.gather(-1, target.ids)
+    lower bound, too small by at most min(q_out, r) <= r. A kept token with id -1 (one a
+    reduced draft vocabulary lacks) has draft probability 0, so it stays exact."""
+    q_top = draft_probs.gather(-1, target.ids.clamp_min(0)) * (target.ids >= 0)
     q_out = (1.0 - q_top.sum(-1)).clamp_min(0.0)
     return (q_top - target.probs).abs().sum(-1) + q_out + target.rest
 
@@ -70,8 +71,9 @@ def dspark_losses(
 ) -> dict[str, torch.Tensor]:
     """The three losses and their weighted total.
 
-    logits: draft logits [N, K, V]; target: p_t's top k [N, K, k]; targets: ground-truth next
-    tokens [N, K]; conf_logits: raw confidence logits [N, K] (None without a confidence
+    logits: draft logits [N, K, V] over the drafter's vocabulary; target: p_t's top k
+    [N, K, k] in the same ids; targets: ground-truth next tokens [N, K] (-1: outside a
+    reduced draft vocabulary); conf_logits: raw confidence logits [N, K] (None without a confidence
     head); row_weights: [N]; denominator: what the weighted sums are divided by, by default
     this batch's total supervision weight (a mean over its positions); data-parallel
     training passes a global one (`distributed.data_parallel_denominator`). Returns scalars
@@ -82,10 +84,10 @@ def dspark_losses(
     if denominator is None:
         denominator = sup_w.sum()
     log_probs = torch.log_softmax(logits.float(), dim=-1)
-    target_log_probs = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    # A reduced draft vocabulary gives -inf outside its subset: a target token there has
-    # no CE term (the drafter cannot learn to emit it); TV still charges the lost mass.
-    ce = torch.where(torch.isfinite(target_log_probs), -target_log_probs, 0.0)
+    target_log_probs = log_probs.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    # A target token outside a reduced draft vocabulary (-1) has no CE term (the drafter
+    # cannot learn to emit it); TV still charges the mass the drafter cannot reach.
+    ce = torch.where(targets >= 0, -target_log_probs, 0.0)
     tv = total_variation_l1(log_probs.exp(), target)
     accept = acceptance_label(tv)
     losses = {

@@ -20,7 +20,7 @@ DEFAULT_TOPK = 64
 class TopKProbs:
     """p_t on its k most likely tokens; the remaining mass is known only in total."""
 
-    ids: torch.Tensor  # [..., k] int64 token ids
+    ids: torch.Tensor  # [..., k] int64 token ids (-1: outside the draft vocabulary, see `reindexed`)
     probs: torch.Tensor  # [..., k] float32 their probabilities (descending)
 
     @classmethod
@@ -45,6 +45,11 @@ class TopKProbs:
     def __getitem__(self, index) -> TopKProbs:
         """Index the leading (position) dimensions, e.g. [rows, positions]."""
         return TopKProbs(self.ids[index], self.probs[index])
+
+    def reindexed(self, index: torch.Tensor) -> TopKProbs:
+        """The same probabilities under new token ids `index[id]` (e.g. a reduced draft
+        vocabulary's `target_to_draft`; -1 marks a token the new vocabulary lacks)."""
+        return TopKProbs(index[self.ids], self.probs)
 
     def to(self, device: torch.device) -> TopKProbs:
         return TopKProbs(self.ids.to(device), self.probs.to(device))

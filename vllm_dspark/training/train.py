@@ -7,7 +7,8 @@ linear warm-up, cosine decay and grad-norm clipping. The target is frozen and so
 drafter's embedding and LM head (shared with the target).
 
 Device (distributed.py): `--device auto` trains on the GPUs when every rank has one (bf16
-autocast, NCCL between ranks), else on the CPU in fp32 (gloo between ranks).
+autocast, NCCL between ranks), else on the CPU in fp32 (gloo between ranks; `--precision
+bf16` autocasts there too, on CPUs with native bf16 products).
 
 Data-parallel: under `torchrun` every rank reads a different shard of the sequences and
 DistributedDataParallel averages the gradients, so all replicas stay equal (checked at
@@ -50,7 +51,16 @@ from vllm_dspark.model.init_drafter import (
     init_weights,
 )
 from vllm_dspark.training.blocks import DrafterLoss, pack_batch, usable_sequences
-from vllm_dspark.training.distributed import DEVICES, DeviceError, autocast, init_distributed, select_device
+from vllm_dspark.training.calibrate import collect_confidences
+from vllm_dspark.training.distributed import (
+    DEVICES,
+    PRECISIONS,
+    DeviceError,
+    autocast,
+    init_distributed,
+    select_device,
+    uses_bf16,
+)
 from vllm_dspark.training.features import (
     FeatureError,
     FeatureSource,
@@ -65,6 +75,8 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoint"
 TRAINER_STATE = "trainer_state.pt"
 LOG_FILE = "train_log.jsonl"
+HELDOUT_LOG = "heldout_log.jsonl"
+BEST_DIR = "best"
 LOGGED = ("total", "ce", "tv", "conf")
 # Options that build a new drafter; unset ones take init_drafter's defaults.
 DRAFTER_OPTIONS = ("num_layers", "block_size", "markov_rank", "markov_head_type")
@@ -84,6 +96,7 @@ class RunSettings:
     anchors_per_seq: int
     seed: int
     world_size: int
+    bf16: bool
 
 
 def lr_at(step: int, settings: RunSettings) -> float:
@@ -166,6 +179,33 @@ def save_final(drafter: DSparkDrafter, out: Path, dtype: str) -> None:
     drafter.save_pretrained(out)
 
 
+def heldout_survival(drafter: DSparkDrafter, store: FeatureStore, anchors_per_seq: int) -> dict[str, Any]:
+    """Teacher-forced prefix survival per block position on held-out sequences (the mean of
+    prod_{j<=k} exact acceptance probability) and the accepted length it implies,
+    tau = 1 + sum_k survival_k: what the kept checkpoint is chosen by, since training loss
+    keeps falling on the training split when held-out acceptance no longer rises."""
+    was_training = drafter.training
+    _, accept = collect_confidences(drafter, store, anchors_per_seq)
+    drafter.train(was_training)
+    survival = torch.cumprod(accept, dim=1).mean(0)
+    return {"survival": [round(float(x), 4) for x in survival], "tau": round(1.0 + float(survival.sum()), 4),
+            "blocks": len(accept)}
+
+
+def save_best(out: Path) -> None:
+    """Copy the checkpoint just written to OUT/best (beside, then swapped in)."""
+    final, tmp = out / BEST_DIR, out / (BEST_DIR + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(out / CHECKPOINT_DIR, tmp, ignore=shutil.ignore_patterns(TRAINER_STATE))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+
+
+def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The held-out evaluation with the longest accepted length (the earliest on ties)."""
+    return max(rows, key=lambda r: (r["tau"], -r["step"]), default=None)
+
+
 def load_checkpoint(out: Path, target: Path, settings: RunSettings) -> tuple[DSparkDrafter, dict[str, Any]]:
     ckpt = out / CHECKPOINT_DIR
     if not (ckpt / TRAINER_STATE).is_file():
@@ -181,18 +221,22 @@ def load_checkpoint(out: Path, target: Path, settings: RunSettings) -> tuple[DSp
 # ------------------------------------------------------------------ the loop
 def train(args: argparse.Namespace) -> dict[str, Any]:
     device = select_device(args.device)
+    bf16 = uses_bf16(device, args.precision)
     rank, world = init_distributed(device)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     settings = RunSettings(
         steps=args.steps, lr=args.lr, min_lr_frac=args.min_lr_frac, warmup_frac=args.warmup_frac,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, batch_seqs=args.batch_seqs,
-        anchors_per_seq=args.anchors_per_seq, seed=args.seed, world_size=world,
+        anchors_per_seq=args.anchors_per_seq, seed=args.seed, world_size=world, bf16=bf16,
     )
     # Cached features fix the layers a new drafter reads; check them before building it.
     store = FeatureStore(args.features) if args.features is not None else None
     if store is not None:
         check_same_target(store, args.target, str(args.features))
+    heldout = FeatureStore(args.heldout) if args.heldout is not None else None
+    if heldout is not None:
+        check_same_target(heldout, args.target, str(args.heldout))
     start_step, state = 0, None
     if args.resume:
         drafter, state = load_checkpoint(out, args.target, settings)
@@ -206,6 +250,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         args.target, args.data, config.target_layer_ids, args.max_seq_len, args.heldout_frac, device
     )
     check_source_fits(source, config, args.target, str(args.features or args.data))
+    if heldout is not None:
+        check_source_fits(heldout, config, args.target, str(args.heldout))
 
     usable = usable_sequences(source, config.block_size)
     if not usable:
@@ -228,16 +274,24 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         num_params = sum(p.numel() for p in params)
         logger.info(
-            "training %s on %s: %d trainable parameters, %d usable sequences (%d on this rank), world %d, steps %d..%d",
-            config.architectures[0], device.type, num_params, len(usable), len(shard), world, start_step, args.steps,
+            "training %s on %s (%s): %d trainable parameters, %d usable sequences (%d on this rank), world %d, steps %d..%d",
+            config.architectures[0], device.type, "bf16 autocast" if bf16 else "fp32", num_params, len(usable), len(shard),
+            world, start_step, args.steps,
         )
-    if is_main and start_step:
+    if is_main:  # rows of steps after the checkpoint (or of an earlier run) go
         truncate_log(out / LOG_FILE, start_step)
+        truncate_log(out / HELDOUT_LOG, start_step)
+    evaluations = read_log(out / HELDOUT_LOG) if is_main else []
+    if is_main and heldout is not None and start_step and (best := best_row(evaluations)) and best["step"] == start_step:
+        save_best(out)  # the run may have stopped between its checkpoint and best/
     log_file = open(out / LOG_FILE, "a", encoding="utf-8") if is_main else None
     bar = tqdm(total=args.steps, initial=start_step, desc="train", disable=not is_main, dynamic_ncols=True)
     recent: list[dict[str, float]] = []
     total_anchors, train_seconds = 0, 0.0
-    for step in range(start_step, args.steps):
+    stop = min(args.steps, args.stop_at or args.steps)
+    if stop <= start_step:
+        raise FeatureError(f"--stop-at {args.stop_at}: the checkpoint is already at step {start_step}")
+    for step in range(start_step, stop):
         t0 = time.perf_counter()
         generator = step_generator(args.seed, rank, step)
         batch = pack_batch([source.get(i) for i in sampler.batch_at(step)], args.anchors_per_seq, config.block_size, generator)
@@ -245,7 +299,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         lr = lr_at(step, settings)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        with autocast(device):
+        with autocast(device, bf16):
             losses = wrapped(batch)
         optimizer.zero_grad(set_to_none=True)
         losses["total"].backward()
@@ -267,27 +321,40 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             log_file.write(json.dumps({"step": step + 1, "lr": lr, "grad_norm": float(grad_norm), **row,
                                        "anchors": anchors, "seconds": round(seconds, 3)}) + "\n")
             log_file.flush()
-        last = step + 1 == args.steps
+        last = step + 1 == stop
         if last or (args.save_every and (step + 1) % args.save_every == 0):
             check_replicas_equal(drafter, rank, world)
             if is_main:
                 save_checkpoint(out, drafter, optimizer, step + 1, settings)
+                if heldout is not None:
+                    evaluate_checkpoint(drafter, heldout, step + 1, args.heldout_anchors, out, evaluations)
             if world > 1:
                 dist.barrier()
     bar.close()
     digest = weights_digest(drafter)  # of the trained fp32 weights, as checked across ranks
-    if is_main:
+    best = best_row(evaluations)
+    if is_main and stop < args.steps:
+        logger.info("stopped at step %d of %d; continue with --resume", stop, args.steps)
+        log_file.close()
+    elif is_main:
+        if best is not None:  # keep the checkpoint held-out acceptance prefers
+            drafter = DSparkDrafter.from_pretrained(out / BEST_DIR, args.target)
+            logger.info("keeping step %d: held-out tau %.3f (last step: %.3f)", best["step"], best["tau"], evaluations[-1]["tau"])
         save_final(drafter, out, args.save_dtype)
         log_file.close()
     summary = {
         "device": device.type,
+        "precision": "bf16" if bf16 else "fp32",
         "steps": args.steps,
         "resumed_from": start_step,
+        "stopped_at": stop,
         "anchors": total_anchors,
         "train_seconds": round(train_seconds, 1),
         "anchors_per_s": round(total_anchors / train_seconds, 2) if train_seconds else 0.0,
         "final": {k: round(sum(r[k] for r in recent) / len(recent), 4) for k in recent[0]} if recent else {},
         "digest": digest,
+        "kept_step": (best["step"] if best is not None else args.steps) if stop == args.steps else None,
+        "heldout": best,
     }
     if world > 1:
         dist.barrier()
@@ -306,6 +373,24 @@ def step_stats(num_blocks: int, losses: dict[str, torch.Tensor], world: int) -> 
         dist.all_reduce(values)
     blocks, accept_sum, positions, *terms = values.tolist()
     return int(blocks), {**{k: v / world for k, v in zip(LOGGED, terms)}, "accept": accept_sum / positions}
+
+
+def evaluate_checkpoint(drafter: DSparkDrafter, heldout: FeatureStore, step: int, anchors: int, out: Path,
+                        evaluations: list[dict[str, Any]]) -> None:
+    """Held-out survival of the checkpoint just saved, appended to `evaluations` and the
+    log; best/ follows the best one."""
+    row = {"step": step, **heldout_survival(drafter, heldout, anchors)}
+    previous = best_row(evaluations)
+    evaluations.append(row)
+    with open(out / HELDOUT_LOG, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+    if previous is None or row["tau"] > previous["tau"]:
+        save_best(out)
+    logger.info("step %d: held-out survival %s, tau %.3f", step, row["survival"], row["tau"])
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def truncate_log(path: Path, step: int) -> None:
@@ -376,8 +461,18 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="auto (default): cuda when every rank on this node has a GPU of its own, "
                         "else cpu; cuda trains under bf16 autocast with NCCL between ranks, cpu in fp32 with gloo")
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto",
+                        help="auto (default): bf16 autocast on cuda, fp32 on cpu; bf16 on a cpu needs native bf16 "
+                        "products (avx512_bf16 or amx_bf16) and runs about twice as fast there")
     parser.add_argument("--save-every", type=int, default=100, help="checkpoint period in steps (0: end only)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    parser.add_argument("--stop-at", type=positive_int, default=None,
+                        help="end this invocation at this step, checkpoint saved, without writing the final drafter: "
+                        "a schedule of --steps spread over several sessions continues with --resume")
+    parser.add_argument("--heldout", type=Path, default=None,
+                        help="held-out feature directory: teacher-forced survival per position at every checkpoint "
+                        f"({HELDOUT_LOG}); the final drafter is the checkpoint with the longest held-out accepted length")
+    parser.add_argument("--heldout-anchors", type=positive_int, default=16, help="blocks per held-out sequence")
     parser.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="dtype of the final drafter weights")
     parser.set_defaults(func=_run)
