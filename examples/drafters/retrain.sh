@@ -19,6 +19,7 @@ COMMON=(--target "$T" --features $F/train --heldout $F/heldout --heldout-anchors
         --lr 6e-4 --warmup-frac 0.04 --batch-seqs 4 --anchors-per-seq 32 --seed 0 --save-every 100
         --save-dtype bfloat16 --precision bf16)
 stage=${1:-all}
+mkdir -p logs runs
 
 features() {
   [ -f data/train.jsonl ] || { mkdir -p data; xz -dc $CORPUS > data/train.jsonl; }
