@@ -180,7 +180,7 @@ def test_packed_block_never_sees_later_context_or_other_blocks(tiny_target: Path
 
 def test_lr_schedule() -> None:
     s = RunSettings(steps=100, lr=1e-3, min_lr_frac=0.1, warmup_frac=0.1, weight_decay=0.0,
-                    grad_clip=1.0, batch_seqs=1, anchors_per_seq=1, seed=0, world_size=1)
+                    grad_clip=1.0, batch_seqs=1, anchors_per_seq=1, seed=0, world_size=1, bf16=False)
     assert lr_at(0, s) == pytest.approx(1e-4)
     assert lr_at(9, s) == pytest.approx(1e-3)
     assert lr_at(99, s) == pytest.approx(1e-4, rel=0.01)
