@@ -19,7 +19,8 @@ cProfile slows Python-heavy code a little; compare rows within one run. The plai
 step (no speculation) of the same run gives the ratio the drafting-cost goal is stated in.
 Writes benchmarks/results/drafting_breakdown.{json,md}.
 
-    python benchmarks/drafting_breakdown.py --reduced-drafter runs/dspark-v8192
+    git archive be23e44 examples/drafters/smollm2-dspark-b7 | tar -x -C runs/previous   # full vocabulary
+    python benchmarks/drafting_breakdown.py --full-vocab-drafter runs/previous/examples/drafters/smollm2-dspark-b7
 """
 
 from __future__ import annotations
@@ -52,22 +53,28 @@ STAGES: dict[str, list[tuple[str, str]]] = {
 STEP = ("gpu_model_runner.py", "execute_model")
 
 
-# Row of this report -> configuration of serve_frontier.py (one home for the settings).
-ROWS = {
-    "no-spec": "no-spec",
-    "never drafting (fixed k=0): the speculative path's floor": "never drafting (fixed k=0)",
-    "dspark, full vocabulary, drafting all K (before)": "dspark, drafting all K",
-    "dspark, full vocabulary, adaptive drafting": "dspark",
-    "dspark, reduced vocabulary, adaptive drafting": "dspark, reduced vocabulary",
-    "fixed k=1, reduced vocabulary": "fixed-k1, reduced vocabulary",
-}
+# Rows of this report: (label, which drafter, configuration of serve_frontier.py; one home
+# for the settings). "full" is a full-vocabulary drafter (`--full-vocab-drafter`), where the
+# drafting-cost work started; "served" is the committed drafter with its reduced vocabulary.
+ROWS: list[tuple[str, str, str]] = [
+    ("no-spec", "served", "no-spec"),
+    ("never drafting (fixed k=0): the speculative path's floor", "served", "never drafting (fixed k=0)"),
+    ("full vocabulary, drafting all K (where it started)", "full", "dspark, drafting all K"),
+    ("full vocabulary, adaptive drafting", "full", "dspark"),
+    ("{vocab}-word vocabulary, drafting all K", "served", "dspark, drafting all K"),
+    ("{vocab}-word vocabulary, adaptive drafting (served)", "served", "dspark"),
+    ("{vocab}-word vocabulary, fixed k=1", "served", "fixed-k1 (MTP-1-like)"),
+]
 
 
-def configurations(full: str, reduced: str | None, k: int, sps: list) -> dict[str, dict]:
+def configurations(served: str, full: str | None, k: int) -> dict[str, dict]:
+    """The report's rows with their engine settings (full-vocabulary rows only with `full`)."""
     from serve_frontier import configurations as frontier_configurations  # benchmarks/ is the script directory
 
-    available = frontier_configurations(full, k, sps, reduced)
-    return {row: available[name] for row, name in ROWS.items() if name in available}
+    drafters = {"served": served} | ({} if full is None else {"full": full})
+    available = {which: frontier_configurations(path, k) for which, path in drafters.items()}
+    vocab = json.loads((Path(served) / "config.json").read_text()).get("draft_vocab_size") or "full"
+    return {label.format(vocab=vocab): available[which][name] for label, which, name in ROWS if which in available}
 
 
 def cumulative_ms(stats: pstats.Stats, targets: list[tuple[str, str]]) -> float:
@@ -132,14 +139,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default=None, help="default: the converted SmolLM2 checkpoint")
     parser.add_argument("--drafter", default=str(REPO / "examples" / "drafters" / "smollm2-dspark-b7"))
-    parser.add_argument("--reduced-drafter", default=None, help="the same drafter with a reduced vocabulary")
+    parser.add_argument("--full-vocab-drafter", default=None,
+                        help="a full-vocabulary drafter for the LM-head rows (e.g. the previous committed one)")
     parser.add_argument("--k", type=int, default=7)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path, default=RESULTS / "drafting_breakdown")
     args = parser.parse_args()
 
-    from serve_frontier import DEFAULT_SPS
     from vllm_dspark.scheduling.profiles import hardware_name
     from vllm_dspark.targets.smollm2 import smollm2_checkpoint
 
@@ -147,12 +154,12 @@ def main() -> int:
     results: dict[str, dict[str, dict]] = {}
     for r in args.concurrency:
         results[str(r)] = {}
-        for name, settings in configurations(args.drafter, args.reduced_drafter, args.k, DEFAULT_SPS).items():
+        for name, settings in configurations(args.drafter, args.full_vocab_drafter, args.k).items():
             with multiprocessing.get_context("spawn").Pool(1) as pool:
                 row = pool.apply(profile_configuration, (target, settings, r, args.max_tokens))
             results[str(r)][name] = row
             print(f"R={r} {name}: step {row['step']:.1f} ms, drafting {row['drafting total']:.1f} ms", flush=True)
-    meta = {"target": target, "drafter": args.drafter, "reduced_drafter": args.reduced_drafter, "k": args.k,
+    meta = {"target": target, "drafter": args.drafter, "full_vocab_drafter": args.full_vocab_drafter, "k": args.k,
             "max_tokens": args.max_tokens, "hardware": hardware_name(), "date": time.strftime("%Y-%m-%d %H:%M")}
     write(results, meta, args.out)
     print(f"wrote {args.out.with_suffix('.md')}")

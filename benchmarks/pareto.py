@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_frontier import DEFAULT_SPS, PROMPT_SETS, configurations  # noqa: E402
+from serve_frontier import PROMPT_SETS, configurations  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "bench_serve"
 CORPUS = REPO / "examples" / "drafters" / "corpus" / "smollm2-generated.jsonl.xz"
@@ -60,7 +60,7 @@ def write_dataset(prompt_set: str, out: Path, max_output: int, seed: int = 0) ->
 
 def serve_params(names: list[str], drafter: str, reduced: str | None, k: int) -> dict[str, dict]:
     """`vllm serve` overrides per configuration, JSON values passed as strings."""
-    available = configurations(reduced or drafter, k, DEFAULT_SPS)
+    available = configurations(reduced or drafter, k)
     missing = [n for n in names if n not in available]
     if missing:
         raise SystemExit(f"unknown configurations {missing}; known: {sorted(available)}")

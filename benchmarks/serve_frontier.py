@@ -39,8 +39,15 @@ from vllm_dspark.evaluation.dataset import default_eval_dir
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-# SmolLM2 steps/s on these CPUs (ENVIRONMENT.md step table); --sps-profile overrides it.
-DEFAULT_SPS = [[1, 11.9], [2, 11.0], [4, 10.4], [8, 8.9], [16, 6.8], [32, 5.5], [64, 3.2], [128, 2.1]]
+# How the rows that price drafts get SPS(B): by default what an operator gets with only
+# --speculative-config, the engine's own profile, cached per model, dtype, hardware and vLLM
+# version and measured at the first start (`curve_options(FILE)` pins one instead).
+AUTO_CURVE = {"sps_profile": "auto", "profile_at_startup": True}
+
+
+def curve_options(profile: str | None) -> dict:
+    """Plugin options naming the SPS curve: the start-up profile, or a profile file."""
+    return AUTO_CURVE if profile is None else {"sps_profile": str(Path(profile).resolve())}
 
 
 PROMPT_SETS = {"mixed": ("gsm8k.jsonl", "humaneval.jsonl", "mt-bench.jsonl"),
@@ -58,7 +65,7 @@ def eval_prompts(count: int, prompt_set: str = "mixed") -> list[list[dict]]:
     return [[{"role": "user", "content": text}] for text in mixed[:count]]
 
 
-def configurations(drafter: str, k: int, sps_table: list, reduced: str | None = None) -> dict[str, dict]:
+def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str | None = None) -> dict[str, dict]:
     """Every row the script can run. Rows other than the `+ n-gram` ones switch the hybrid
     proposals off, so they measure the drafter alone (fixed k=1 is the MTP-1 analogue)."""
     def dspark(model: str = drafter, hybrid_ngram: bool = False, **plugin):
@@ -74,18 +81,18 @@ def configurations(drafter: str, k: int, sps_table: list, reduced: str | None = 
         "fixed-k1 (MTP-1-like)": dspark(policy="fixed", k=1),
         "fixed-k3": dspark(policy="fixed", k=3),
         f"fixed-k{k}": dspark(policy="fixed"),
-        "dspark": dspark(policy="dspark", sps_table=sps_table),
-        "dspark, drafting all K": dspark(policy="dspark", sps_table=sps_table, adaptive_drafting=False),
-        "dspark_async": dspark(policy="dspark_async", sps_table=sps_table),
-        "dspark + n-gram": dspark(policy="dspark", sps_table=sps_table, hybrid_ngram=True),
-        "sla, 8 tok/s floor": dspark(policy="sla", sps_table=sps_table, min_tokens_per_s=8.0),
-        "sla, 16 tok/s floor": dspark(policy="sla", sps_table=sps_table, min_tokens_per_s=16.0),
+        "dspark": dspark(policy="dspark", **curve),
+        "dspark, drafting all K": dspark(policy="dspark", **curve, adaptive_drafting=False),
+        "dspark_async": dspark(policy="dspark_async", **curve),
+        "dspark + n-gram": dspark(policy="dspark", **curve, hybrid_ngram=True),
+        "sla, 8 tok/s floor": dspark(policy="sla", **curve, min_tokens_per_s=8.0),
+        "sla, 16 tok/s floor": dspark(policy="sla", **curve, min_tokens_per_s=16.0),
     } | ({} if reduced is None else {
         "fixed-k1, reduced vocabulary": dspark(reduced, policy="fixed", k=1),
-        "dspark, reduced vocabulary": dspark(reduced, policy="dspark", sps_table=sps_table),
-        "dspark_async, reduced vocabulary": dspark(reduced, policy="dspark_async", sps_table=sps_table),
-        "dspark + n-gram, reduced vocabulary": dspark(reduced, policy="dspark", sps_table=sps_table, hybrid_ngram=True),
-        "dspark_async + n-gram, reduced vocabulary": dspark(reduced, policy="dspark_async", sps_table=sps_table, hybrid_ngram=True),
+        "dspark, reduced vocabulary": dspark(reduced, policy="dspark", **curve),
+        "dspark_async, reduced vocabulary": dspark(reduced, policy="dspark_async", **curve),
+        "dspark + n-gram, reduced vocabulary": dspark(reduced, policy="dspark", **curve, hybrid_ngram=True),
+        "dspark_async + n-gram, reduced vocabulary": dspark(reduced, policy="dspark_async", **curve, hybrid_ngram=True),
     })
 
 
@@ -121,7 +128,7 @@ def serve_waves(conn, target: str, settings: dict, max_num_seqs: int, max_tokens
     llm = LLM(model=target, **engine_kwargs(max_num_seqs), **settings)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.chat(eval_prompts(1, prompt_set), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    conn.send({"spec": spec_counters(llm), "plugin": plugin_stats(llm)})
+    conn.send({"spec": spec_counters(llm), "plugin": plugin_stats(llm), "curve": engine_curve(llm)})
     while (r := conn.recv()) is not None:
         start = time.perf_counter()
         outputs = llm.chat(eval_prompts(r, prompt_set), params, use_tqdm=False)
@@ -152,13 +159,16 @@ def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict) ->
         "verified_drafts_per_step": delta["num_draft_tokens"] / drafts if drafts else 0.0,
         "accepted_length": 1.0 + delta["num_accepted_tokens"] / drafts if drafts else 1.0,
         "wave_spread_seconds": [min(seconds), max(seconds)],
+        "tokens": sum(w["tokens"] for w in waves),
+        "draft_tokens": delta["num_draft_tokens"],
         **plugin_delta(before["plugin"], after["plugin"]),
     }
 
 
 def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], max_tokens: int, repeats: int,
-                    prompt_set: str) -> dict[str, list[dict]]:
-    """Every configuration's engine alive at once; waves taken in turn."""
+                    prompt_set: str) -> tuple[dict[str, list[dict]], list | None]:
+    """Every configuration's engine alive at once; waves taken in turn. Returns the rows and
+    the SPS curve the plugin's engines used (None if none used one)."""
     context = multiprocessing.get_context("spawn")
     engines = {}
     try:
@@ -168,6 +178,7 @@ def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], 
             process = context.Process(target=serve_waves, args=(theirs, target, settings, max(concurrency), max_tokens, prompt_set))
             process.start()
             engines[name] = (process, ours, ours.recv())
+        curve = next((first["curve"] for _, _, first in engines.values() if first.get("curve")), None)
         results: dict[str, list[dict]] = {name: [] for name in plan}
         for r in concurrency:
             waves: dict[str, list[dict]] = {name: [] for name in plan}
@@ -184,13 +195,20 @@ def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], 
                 results[name].append(row)
                 print(f"  {name}, R={r:3d}: {row['throughput_tok_s']:7.1f} tok/s total, {row['per_user_tok_s']:6.2f} "
                       f"tok/s per user, {row['decode_tok_s_per_user']:6.2f} decode tok/s per user", flush=True)
-        return results
+        return results, curve
     finally:
         for process, conn, _ in engines.values():
             conn.send(None)
             process.join(timeout=60)
             if process.is_alive():
                 process.kill()
+
+
+def engine_curve(llm) -> list | None:
+    """The SPS curve the plugin's policy prices drafts with (None: no plugin or no curve)."""
+    controller = getattr(llm.llm_engine.engine_core.engine_core.scheduler, "controller", None)
+    curve = None if controller is None else controller.curve
+    return None if curve is None else [list(point) for point in curve.points]
 
 
 def plugin_stats(llm) -> dict | None:
@@ -212,6 +230,7 @@ def plugin_delta(before: dict | None, after: dict | None) -> dict:
     steps = max(1, after["steps"] - before["steps"])
     depths = [a - (before["depths"][d] if d < len(before["depths"]) else 0) for d, a in enumerate(after["depths"])]
     return {
+        "engine_steps": steps,
         "steps_without_drafting": depths[0] / steps if depths else 0.0,
         "mean_draft_depth": sum(d * n for d, n in enumerate(depths)) / steps,
         "lm_head_rows_per_step": (after["lm_head_rows"] - before["lm_head_rows"]) / steps,
@@ -227,6 +246,20 @@ def spec_counters(llm) -> dict[str, int]:
     return counts
 
 
+def predicted_speedup(row: dict, sps: list | None) -> float | None:
+    """The speed-up over plain decoding that the row's accepted tokens and the step curve
+    predict: tokens per request per step times T(R) / T(R + verified drafts per step). A
+    plain engine emits one token per request per step; the drafter's own time and the
+    speculative path's other costs are what the measured speed-up loses against this."""
+    if not sps or not row.get("engine_steps") or "tokens" not in row:
+        return None
+    from vllm_dspark.scheduling import SpsCurve
+
+    curve, r, steps = SpsCurve(points=[tuple(p) for p in sps]), row["concurrency"], row["engine_steps"]
+    per_step = row["tokens"] / (r * steps)
+    return per_step * curve.step_time(r) / curve.step_time(r + row["draft_tokens"] / steps)
+
+
 def write_results(results: dict, meta: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
@@ -239,12 +272,19 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         f"median wave of {meta.get('repeats', 1)}. "
         f"Measured {meta['date']} on {meta['hardware']}; machine shared with other jobs, so compare "
         "rows within one run (waves interleaved across configurations). `dspark, drafting all K` is the dspark policy with `adaptive_drafting: false` "
-        "(the lever A/B); `reduced vocabulary` rows serve the same drafter with its LM head cut to "
-        f"{meta.get('reduced_vocab', '?')} tokens (`vllm-dspark reduce-vocab`).",
+        "(the lever A/B)"
+        + (f"; `reduced vocabulary` rows serve the same drafter with its LM head cut to {meta['reduced_vocab']} tokens "
+           "(`vllm-dspark reduce-vocab`)" if meta.get("reduced_vocab") else "")
+        + f". SPS curve of the rows that price drafts ([batch tokens, steps/s]): "
+        f"{meta.get('sps_source', 'the start-up profile')}, {meta['sps']}.",
         "",
-        "| configuration | R | system tok/s | per-user tok/s (min-max wave) | vs no-spec | decode tok/s per user | vs no-spec "
+        "`predicted` is the speed-up the accepted tokens per step and the step curve predict "
+        "(tokens per request per step x T(R) / T(R + verified drafts per step)); the gap to the measured "
+        "one is what drafting and the speculative path's other costs take.",
+        "",
+        "| configuration | R | system tok/s | per-user tok/s (min-max wave) | vs no-spec | predicted | decode tok/s per user | vs no-spec "
         "| accepted length (steps with drafts) | verified drafts/step | steps without drafting | mean draft depth | drafting ms/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     plain = {row["concurrency"]: row for row in results.get("no-spec", [])}
     for name, rows in results.items():
@@ -256,9 +296,11 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
             decode_ratio = f"{decode / base['decode_tok_s_per_user']:.2f}x" if base and "decode_tok_s_per_user" in base else "-"
             drafting = (f"{row['steps_without_drafting']:.0%} | {row['mean_draft_depth']:.2f} | {row['drafting_ms_per_step']:.1f}"
                         if "mean_draft_depth" in row else "- | - | -")
+            predicted = predicted_speedup(row, meta["sps"])
+            predicted_text = "-" if predicted is None else f"{predicted:.2f}x"
             lines.append(
                 f"| {name} | {row['concurrency']} | {row['throughput_tok_s']:.1f} | {row['per_user_tok_s']:.2f} "
-                f"({slowest:.2f}-{fastest:.2f}) | {ratio} | {decode:.2f} | {decode_ratio} | {row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} | {drafting} |"
+                f"({slowest:.2f}-{fastest:.2f}) | {ratio} | {predicted_text} | {decode:.2f} | {decode_ratio} | {row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} | {drafting} |"
             )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
@@ -291,20 +333,19 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="waves per concurrency; the median is reported")
     parser.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="mixed", help="eval prompt set")
     parser.add_argument("--only", nargs="+", default=None, help="run only these configurations")
-    parser.add_argument("--sps-profile", default=None, help="SPS profile JSON (default: ENVIRONMENT.md table)")
+    parser.add_argument("--sps-profile", default=None,
+                        help="SPS profile JSON for the rows that price drafts (default: each engine's start-up profile)")
     parser.add_argument("--out", type=Path, default=RESULTS / "serve_frontier")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm_dspark.scheduling.profiles import hardware_name
-    from vllm_dspark.scheduling import SpsCurve
     from vllm_dspark.targets.smollm2 import smollm2_checkpoint
 
     target = args.target or str(smollm2_checkpoint())
-    sps = [list(p) for p in SpsCurve.load(args.sps_profile).points] if args.sps_profile else DEFAULT_SPS
-    configs = configurations(args.drafter, args.k, sps, args.reduced_drafter)
+    configs = configurations(args.drafter, args.k, curve_options(args.sps_profile), args.reduced_drafter)
     plan = {name: settings for name, settings in configs.items() if not args.only or name in args.only}
-    results = run_interleaved(target, plan, args.concurrency, args.max_tokens, args.repeats, args.prompts)
+    results, sps = run_interleaved(target, plan, args.concurrency, args.max_tokens, args.repeats, args.prompts)
     meta = {
         "target": target,
         "drafter": args.drafter,
@@ -313,6 +354,7 @@ def main() -> int:
         "repeats": args.repeats,
         "prompt_set": args.prompts,
         "sps": sps,
+        "sps_source": args.sps_profile or "each engine's start-up profile (cached, the out-of-the-box default)",
         "reduced_drafter": args.reduced_drafter,
         "reduced_vocab": (json.loads((Path(args.reduced_drafter) / "config.json").read_text())["draft_vocab_size"]
                           if args.reduced_drafter else None),

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.tiny_models import engine_scheduler, make_drafter, make_llm
-from vllm_dspark.engine_profile import monotone_step_times, plot_curve, profile_engine
+from vllm_dspark.engine_profile import monotone_step_times, plot_curve, profile_engine, profile_kv_cache_bytes
 from vllm_dspark.scheduling import SpsCurve
 from vllm_dspark.scheduling.profiles import cached_profile_path, profile_key
 
@@ -31,6 +31,17 @@ def test_profile_measures_every_batch_size(tiny_curve: SpsCurve, tiny_target, tm
     assert SpsCurve.load(out) == tiny_curve
     plot_curve(tiny_curve, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_profile_asks_for_the_kv_cache_it_needs_not_a_share_of_memory(tiny_target):
+    """The start-up profile must start beside other engines (the default would reserve 92%
+    of a CPU machine's memory): it asks for its batch's KV cache with a margin."""
+    config = json.loads((tiny_target / "config.json").read_text())
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 4
+    needed = per_token * 4 * 256  # 4 requests of 200 tokens in 128-token blocks
+    asked = profile_kv_cache_bytes(str(tiny_target), 4, 200, "float32")
+    assert needed < asked < 2 * needed + (64 << 20)
+    assert profile_kv_cache_bytes(str(tiny_target), 64, 200, "float32") > 8 * needed
 
 
 @pytest.mark.parametrize(

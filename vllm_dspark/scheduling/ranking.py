@@ -61,6 +61,9 @@ class Ranking(NamedTuple):
 
 
 _ONE_BITS = np.uint64(0x3FF0000000000000)  # bit pattern of 1.0
+# Cliffs of the SPS curve an early-stopping scan may look past per step (`cliff_aware_stop`);
+# each look is one vectorised pass over the slots.
+MAX_CLIFF_CHECKS = 32
 
 
 def _descending_order(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -115,11 +118,52 @@ def expected_throughput(
     tau[0] = 0.0
     np.cumsum(ranking.survival, out=tau[1:])
     tau += ranking.num_requests
-    first = base_tokens + ranking.num_requests
+    return tau, pass_sps(sps, base_tokens + ranking.num_requests, len(tau))
+
+
+def pass_sps(sps: SpsFunction, first: int, count: int) -> np.ndarray:
+    """SPS for passes of first, first + 1, ..., first + count - 1 tokens."""
     if isinstance(sps, SpsCurve):
-        return tau, sps.over_range(first, len(tau))
-    batch = np.arange(first, first + len(tau), dtype=np.float64)
-    return tau, np.asarray(sps(batch), dtype=np.float64)
+        return sps.over_range(first, count)
+    batch = np.arange(first, first + count, dtype=np.float64)
+    return np.asarray(sps(batch), dtype=np.float64)
+
+
+def cliff_aware_stop(
+    improves: np.ndarray,
+    ranking: Ranking,
+    tau: np.ndarray,
+    theta: np.ndarray,
+    reach: np.ndarray,
+    crossable: np.ndarray | None = None,
+    max_checks: int = MAX_CLIFF_CHECKS,
+) -> int:
+    """Number of candidates an early-stopping scan verifies when it may step over a cliff of
+    the SPS curve. `improves[n]` says whether candidate n raises the scan's objective; at a
+    candidate that does not (and is `crossable`, default all), the scan goes on if verifying
+    it and more slots could still beat the current theta = tau * SPS, judged by an upper
+    bound that uses only that candidate's own survival a_n (every later candidate has
+    a <= a_n) and the structural number of slots. `tau`, `theta` are per prefix (from
+    `expected_throughput`), `reach` the SPS of every pass size up to all R * K slots
+    verified (`pass_sps`).
+
+    Lossless like the plain early stop: whether candidate n is verified depends only on the
+    survivals of candidates 0..n (which read no token of request r beyond position j) and
+    on constants; it never reads how many candidates follow n or their survivals. The bound
+    is optimistic, so the scan may end just past a cliff below the theta it had before it;
+    going back would read later confidences (DSPARK.md's counter-example). On a curve whose
+    step time is convex in B the bound never passes where the plain scan stops.
+    """
+    count = stopping_point(improves)
+    slots = len(reach) - 1
+    for _ in range(max_checks):
+        if count >= len(ranking.survival) or (crossable is not None and not crossable[count]):
+            break
+        extra = np.arange(1, slots - count + 1)  # this candidate and later slots, each at a <= a_n
+        if not (((tau[count] + extra * ranking.survival[count]) * reach[count + 1:]) > theta[count]).any():
+            break
+        count += 1 + stopping_point(improves[count + 1:])
+    return count
 
 
 def stopping_point(improves: np.ndarray) -> int:
