@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from vllm_dspark.scheduling import POLICIES, SpsCurve, dspark_budget, select_verify_lengths
+from vllm_dspark.scheduling.policies import DSparkPolicy, PolicyStep
 
 FLAT = SpsCurve(points=[(1, 10.0)])
 COUNTER_EXAMPLE = SpsCurve(points=[(1, 1.0), (2, 0.5), (3, 0.45)])
@@ -23,24 +24,21 @@ def reference_order(c: np.ndarray) -> list[tuple[int, int, float]]:
 
 
 def reference_dspark(c: np.ndarray, sps, base_tokens: int = 0) -> np.ndarray:
-    """DSPARK.md section 4, line by line, with the cliff-aware stop: where a candidate does
-    not raise theta, go on only if it and the slots left, each at its survival a (every later
-    one has less), could beat the current theta at some pass size."""
-    num_requests, block = c.shape
+    """DSPARK.md section 4, line by line."""
+    num_requests = c.shape[0]
     lengths = np.zeros(num_requests, dtype=np.int64)
     batch, tau = base_tokens + num_requests, float(num_requests)
-    theta = tau * float(sps(batch))
-    for verified, (r, j, a) in enumerate(reference_order(c)):
-        after = (tau + a) * float(sps(batch + 1))
-        if not after > theta:
-            left = num_requests * block - verified
-            if not any((tau + n * a) * float(sps(batch + n)) > theta for n in range(1, left + 1)):
-                break
+    best, chosen = tau * float(sps(batch)), lengths.copy()
+    for r, j, a in reference_order(c):
         lengths[r] = j
         batch += 1
         tau += a
-        theta = after
-    return lengths
+        theta = tau * float(sps(batch))
+        if theta > best:
+            best, chosen = theta, lengths.copy()
+        else:
+            break
+    return chosen
 
 
 def reference_budget(c: np.ndarray, sps, base_tokens: int = 0) -> int:
@@ -211,13 +209,9 @@ def test_threshold_cuts_on_prefix_survival() -> None:
 # --- dspark ------------------------------------------------------------------------------
 
 
-def test_dspark_counter_example_verifies_x1_whatever_it_is() -> None:
-    # theta(0) = 1; x_1 alone gives 1.8 * 0.5 = 0.9, but the bound with x_2 at c_1's survival,
-    # (1 + 2 * 0.8) * 0.45 = 1.17, says the cliff may pay: x_1 is verified after A and after
-    # B alike (c_1 reads neither); x_2 (a = 0.72 after A, 0 after B) then raises theta.
-    assert select_verify_lengths([[0.8, 0.9]], COUNTER_EXAMPLE).tolist() == [2]
-    assert select_verify_lengths([[0.8, 0.0]], COUNTER_EXAMPLE).tolist() == [1]
-    assert select_verify_lengths([[0.3, 0.9]], COUNTER_EXAMPLE).tolist() == [0]  # (1 + 0.6) * 0.45 < 1
+def test_dspark_counter_example_stops_at_zero() -> None:
+    for c2 in (0.9, 0.0):
+        assert select_verify_lengths([[0.8, c2]], COUNTER_EXAMPLE).tolist() == [0]
 
 
 def test_dspark_single_token_hand_cases() -> None:
@@ -228,17 +222,40 @@ def test_dspark_single_token_hand_cases() -> None:
     assert select_verify_lengths([[0.5]], SpsCurve(points=[(1, 3.0), (2, 2.0)])).tolist() == [0]
 
 
-def test_dspark_steps_over_a_cliff_the_plain_early_stop_would_stop_at() -> None:
+def test_dspark_stops_at_a_cliff_that_the_full_scan_passes() -> None:
     jagged = SpsCurve(points=[(1, 1.0), (2, 0.5), (4, 0.5)])
     c = np.full((1, 3), 0.9)  # tau = 1, 1.9, 2.71, 3.439; theta = 1, .95, 1.355, 1.72
-    assert select_verify_lengths(c, jagged, "dspark").tolist() == [3]
-    # The bound for the first draft, (1 + 3 * 0.4) * 0.5 = 1.1 > 1, crosses; the drafts after
-    # it (a = 0.16, 0.064) raise theta to 0.81 only, and the scan cannot go back: the
-    # optimistic bound's price, it ends below theta(0) = 1.
-    assert select_verify_lengths([[0.4, 0.4, 0.4]], jagged, "dspark").tolist() == [3]
-    assert select_verify_lengths([[0.2, 0.9, 0.9]], jagged, "dspark").tolist() == [0]  # (1 + 0.6) * 0.5 < 1
+    assert select_verify_lengths(c, jagged, "dspark").tolist() == [0]
     assert dspark_budget(c, jagged) == 3
     assert select_verify_lengths(c, jagged, "dspark_async", budget=3).tolist() == [3]
+
+
+def primed_dspark(history: np.ndarray, sps) -> DSparkPolicy:
+    """A dspark policy that has seen one earlier step (the engine's controller keeps one)."""
+    policy = DSparkPolicy()
+    policy.lengths(PolicyStep(np.asarray(history, dtype=np.float64), sps))
+    return policy
+
+
+def test_dspark_with_history_steps_over_a_cliff_the_plain_early_stop_stops_at() -> None:
+    jagged = SpsCurve(points=[(1, 1.0), (2, 0.5), (4, 0.5)])
+    c = np.full((1, 3), 0.9)  # tau = 1, 1.9, 2.71, 3.439; theta = 1, .95, 1.355, 1.72
+    policy = DSparkPolicy()
+    assert policy.lengths(PolicyStep(c, jagged)).tolist() == [0]  # first call: the plain stop
+    # Now the previous ranked survivals (0.9, 0.81, 0.729) predict the tail: crossing pays.
+    assert policy.lengths(PolicyStep(c, jagged)).tolist() == [3]
+    # A history of weak drafts predicts no gain past the cliff, whatever this step holds.
+    assert primed_dspark([[0.2, 0.1, 0.1]], jagged).lengths(PolicyStep(c, jagged)).tolist() == [0]
+    # The estimate is capped by the candidate's own survival: (1 + 0.3 + 0.3 + 0.3) * 0.5 < 1.
+    assert primed_dspark(c, jagged).lengths(PolicyStep(np.array([[0.3, 1.0, 1.0]]), jagged)).tolist() == [0]
+
+
+def test_dspark_history_is_rescaled_to_the_number_of_requests() -> None:
+    from vllm_dspark.scheduling.ranking import tail_from
+
+    # Two requests' ranked survivals read for four requests: each rank twice.
+    np.testing.assert_array_equal(tail_from(np.array([0.9, 0.5]), 1, 2, 6), [0.9, 0.9, 0.5, 0.5, 0.0, 0.0])
+    np.testing.assert_array_equal(tail_from(np.array([0.9, 0.8, 0.5]), 3, 1, 3), [0.9, 0.0, 0.0])
 
 
 def test_base_tokens_count_in_the_batch() -> None:

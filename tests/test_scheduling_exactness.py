@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from vllm_dspark.scheduling import SpsCurve, dspark_budget, select_verify_lengths
+from vllm_dspark.scheduling.policies import DSparkPolicy, PolicyStep
 
 TARGET = np.array([0.7, 0.3])
 DRAFT = np.array([0.5, 0.5])
@@ -60,14 +61,32 @@ def chi_square(counts: np.ndarray, probabilities: np.ndarray) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
+def dspark_after(history: list[list[float]]):
+    """dspark as the engine runs it: one policy object that has seen an earlier step."""
+    def schedule(c: np.ndarray, curve: SpsCurve = CURVE) -> np.ndarray:
+        policy = DSparkPolicy()
+        policy.lengths(PolicyStep(np.asarray(history, dtype=np.float64), curve))
+        return policy.lengths(PolicyStep(np.asarray(c, dtype=np.float64), curve))
+    return schedule
+
+
 SCHEDULES = {
     "dspark": lambda c: select_verify_lengths(c, CURVE, "dspark"),
+    # With a history predicting a strong tail the scan steps over SPS(2)'s cliff: it
+    # verifies x_1 after A and after B alike, and x_2 only after A (c_2 reads x_1).
+    "dspark_past_the_cliff": dspark_after([[0.8, 0.9]]),
     # A budget from an earlier step does not depend on x_1: exact even without early stop.
     "async_old_budget": lambda c: select_verify_lengths(
         c, CURVE, "dspark_async", budget=dspark_budget([[0.8, 0.9]], CURVE)
     ),
     "sla": lambda c: select_verify_lengths(c, CURVE, "sla", min_tokens_per_s=0.95),
 }
+
+
+def test_the_history_makes_dspark_step_over_the_counter_example_s_cliff() -> None:
+    assert select_verify_lengths(confidences_after(0), CURVE, "dspark").tolist() == [0]
+    assert SCHEDULES["dspark_past_the_cliff"](confidences_after(0)).tolist() == [2]
+    assert SCHEDULES["dspark_past_the_cliff"](confidences_after(1)).tolist() == [1]
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -126,6 +145,12 @@ def test_policies_do_not_anticipate(policy: str) -> None:
     def schedule(c: np.ndarray, curve: SpsCurve) -> np.ndarray:
         return select_verify_lengths(c, curve, policy, **LOSSLESS[policy])
 
+    assert anticipation_violations(schedule, range(150)) == 0
+
+
+def test_dspark_with_history_does_not_anticipate() -> None:
+    history = np.random.default_rng(7).uniform(0.5, 1.0, size=(3, 4))
+    schedule = dspark_after(history.tolist())
     assert anticipation_violations(schedule, range(150)) == 0
 
 

@@ -16,13 +16,12 @@ C_TWO = np.array([[0.9], [0.1]])
 
 def reference_sla(c: np.ndarray, sps, floors: np.ndarray, base_tokens: int = 0) -> np.ndarray:
     """The stopping rule of `vllm_dspark.scheduling.sla`, one candidate at a time."""
-    num_requests, block = c.shape
+    num_requests = c.shape[0]
     a = np.cumprod(c, axis=1)
     # Priority: requests predicted below their floor with one draft rank earlier.
     with np.errstate(divide="ignore", invalid="ignore"):
         first_speed = (1.0 + c[:, 0]) * float(sps(base_tokens + num_requests + 1))
         weight = np.maximum(1.0, np.nan_to_num(floors / first_speed, posinf=1e6))
-    uniform = weight.min() == weight.max()
     weight = weight / weight.max()
     slots = [(r, j + 1, a[r, j]) for r in range(num_requests) for j in range(c.shape[1])]
     order = sorted((s for s in slots if s[2] > 0), key=lambda s: (-s[2] * weight[s[0]], s[1], s[0]))
@@ -45,12 +44,6 @@ def reference_sla(c: np.ndarray, sps, floors: np.ndarray, base_tokens: int = 0) 
             keep = new_theta > theta and new_worst >= 1.0
         else:
             keep = new_theta > theta or new_worst > worst
-        if not keep and worst >= 1.0 and uniform:
-            # the cliff-aware stop: this and the slots left, each at this survival
-            left = num_requests * block - (n - 1)
-            tau = per_step.sum() - survival
-            keep = any((tau + m * survival) * float(sps(base_tokens + num_requests + n - 1 + m)) > theta
-                       for m in range(1, left + 1))
         if not keep:
             break
         lengths[r], theta, worst = j, new_theta, new_worst

@@ -110,9 +110,11 @@ class ThresholdPolicy(VerifyPolicy):
 
 class DSparkPolicy(VerifyPolicy):
     """DSPARK.md section 4: scan candidates by survival, stop at the first that does not
-    strictly raise expected throughput tau * SPS(B), unless an optimistic bound from that
-    candidate's own survival says verifying more could still pay (a cliff of a jagged SPS
-    curve, `ranking.cliff_aware_stop`). Both stops read no later candidate: lossless."""
+    strictly raise expected throughput tau * SPS(B), unless the candidates expected after it
+    (the previous call's ranked survivals, capped by its own) could still make verifying
+    more pay: a cliff of a jagged SPS curve (`ranking.cliff_aware_stop`). Neither stop reads
+    a later candidate of this step, so both are lossless; a first call (no history) is the
+    plain early stop."""
 
     name = "dspark"
     needs_curve = True
@@ -120,6 +122,9 @@ class DSparkPolicy(VerifyPolicy):
     # Share of the admission bound kept as the drafting early stop: the next step's load
     # may differ from this one's, and stopping too early only costs accepted tokens.
     EARLY_STOP_MARGIN = 0.5
+
+    def __init__(self) -> None:
+        self._previous: tuple[np.ndarray, int] | None = None  # last call's ranked survivals, R
 
     def min_survival(self, sps: SpsFunction, num_requests: int, block: int) -> float:
         """The scan admits candidate n only if a_n > tau(n-1) * (SPS(B-1) / SPS(B+m) - 1) / (m+1)
@@ -139,8 +144,10 @@ class DSparkPolicy(VerifyPolicy):
         tau, steps = ranking.expected_throughput(order, step.sps, step.base_tokens)
         num_requests, block = step.confidences.shape
         reach = ranking.pass_sps(step.sps, step.base_tokens + num_requests, num_requests * block + 1)
+        tail = None if self._previous is None else ranking.tail_from(*self._previous, num_requests, num_requests * block)
         theta = tau * steps
-        count = ranking.cliff_aware_stop(theta[1:] > theta[:-1], order, tau, theta, reach)
+        count = ranking.cliff_aware_stop(theta[1:] > theta[:-1], order, tau, theta, reach, tail)
+        self._previous = (order.survival, num_requests)
         return ranking.lengths_of_prefix(order, count)
 
 

@@ -135,35 +135,48 @@ def cliff_aware_stop(
     tau: np.ndarray,
     theta: np.ndarray,
     reach: np.ndarray,
-    crossable: np.ndarray | None = None,
+    expected_tail: np.ndarray | None,
     max_checks: int = MAX_CLIFF_CHECKS,
 ) -> int:
     """Number of candidates an early-stopping scan verifies when it may step over a cliff of
-    the SPS curve. `improves[n]` says whether candidate n raises the scan's objective; at a
-    candidate that does not (and is `crossable`, default all), the scan goes on if verifying
-    it and more slots could still beat the current theta = tau * SPS, judged by an upper
-    bound that uses only that candidate's own survival a_n (every later candidate has
-    a <= a_n) and the structural number of slots. `tau`, `theta` are per prefix (from
-    `expected_throughput`), `reach` the SPS of every pass size up to all R * K slots
-    verified (`pass_sps`).
+    the SPS curve. `improves[n]` says whether candidate n raises theta = tau * SPS; at a
+    candidate that does not, the scan goes on if verifying it and the candidates expected
+    after it could still beat the current theta. Their survivals are estimated without
+    reading them: `expected_tail[m]` (rank m's survival in an earlier step, rescaled to this
+    step's number of requests), capped by the current candidate's own a_n, which bounds
+    every later one. `tau`, `theta` are per prefix (from `expected_throughput`), `reach`
+    the SPS of every pass size up to all R * K slots verified (`pass_sps`). Without an
+    `expected_tail` it is the plain early stop.
 
     Lossless like the plain early stop: whether candidate n is verified depends only on the
-    survivals of candidates 0..n (which read no token of request r beyond position j) and
-    on constants; it never reads how many candidates follow n or their survivals. The bound
-    is optimistic, so the scan may end just past a cliff below the theta it had before it;
-    going back would read later confidences (DSPARK.md's counter-example). On a curve whose
-    step time is convex in B the bound never passes where the plain scan stops.
+    survivals of candidates 0..n (which read no token of request r beyond position j), on
+    earlier steps and on constants, never on how many candidates follow n or their
+    survivals. An estimate can be too high, so the scan may end just past a cliff below the
+    theta it had before it; going back would read later confidences (DSPARK.md's
+    counter-example).
     """
     count = stopping_point(improves)
+    if expected_tail is None:
+        return count
     slots = len(reach) - 1
     for _ in range(max_checks):
-        if count >= len(ranking.survival) or (crossable is not None and not crossable[count]):
+        if count >= len(ranking.survival):
             break
-        extra = np.arange(1, slots - count + 1)  # this candidate and later slots, each at a <= a_n
-        if not (((tau[count] + extra * ranking.survival[count]) * reach[count + 1:]) > theta[count]).any():
+        expected = np.minimum(ranking.survival[count], expected_tail[count:slots])
+        expected[0] = ranking.survival[count]  # the candidate itself is known
+        if not (((tau[count] + np.cumsum(expected)) * reach[count + 1:]) > theta[count]).any():
             break
         count += 1 + stopping_point(improves[count + 1:])
     return count
+
+
+def tail_from(survival: np.ndarray, num_requests: int, for_requests: int, slots: int) -> np.ndarray:
+    """Ranked survivals of an earlier step with `num_requests` requests, as an estimate for
+    ranks 0..slots-1 of a step with `for_requests`: rank m reads the earlier rank
+    m * num_requests / for_requests (0 beyond the earlier candidates)."""
+    ranks = (np.arange(slots) * num_requests) // max(1, for_requests)
+    padded = np.append(survival, 0.0)
+    return padded[np.minimum(ranks, len(survival))]
 
 
 def stopping_point(improves: np.ndarray) -> int:

@@ -51,11 +51,10 @@ import numpy as np
 from vllm_dspark.scheduling.ranking import (
     SpsFunction,
     check_confidences,
-    cliff_aware_stop,
     expected_throughput,
     lengths_of_prefix,
-    pass_sps,
     rank_candidates,
+    stopping_point,
 )
 
 
@@ -158,11 +157,7 @@ def plan_sla(
         theta_up & (capped[1:] >= 1.0),
         theta_up | (capped[1:] > capped[:-1]),
     )
-    # Past a cliff of the curve only where the floors are met and the order is by survival
-    # alone (equal priorities), so that a candidate's survival bounds every later one's.
-    crossable = (capped[:-1] >= 1.0) & bool(priority.min() == priority.max())
-    reach = pass_sps(sps, base_tokens + num_requests, num_requests * block + 1)
-    chosen = cliff_aware_stop(improves, ranking, tau, theta, reach, crossable)
+    chosen = stopping_point(improves)
     lengths = lengths_of_prefix(ranking, chosen)
     tokens = per_step[lengths, requests]
     met = tokens * inv_floor * steps[chosen] >= 1.0
