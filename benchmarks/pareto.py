@@ -1,7 +1,7 @@
 """The benchmark engineers run: vLLM's own `bench sweep serve` over serving configurations
 x max concurrency, then `bench sweep plot_pareto`, then a Markdown summary.
 
-    python benchmarks/pareto.py --reduced-drafter runs/dspark-v8192          # everything
+    python benchmarks/pareto.py                                           # everything, committed drafter
     python benchmarks/pareto.py --prompts code --concurrency 1 4 16 --only no-spec "fixed-k1 (MTP-1-like)" dspark
 
 Each configuration gets its own `vllm-dspark serve` (vLLM's server; started and stopped

@@ -10,6 +10,7 @@ import pytest
 
 from vllm_dspark.scheduling import POLICIES, SpsCurve, dspark_budget, select_verify_lengths
 from vllm_dspark.scheduling.policies import DSparkPolicy, PolicyStep
+from vllm_dspark.scheduling.ranking import tail_from
 
 FLAT = SpsCurve(points=[(1, 10.0)])
 COUNTER_EXAMPLE = SpsCurve(points=[(1, 1.0), (2, 0.5), (3, 0.45)])
@@ -251,10 +252,9 @@ def test_dspark_with_history_steps_over_a_cliff_the_plain_early_stop_stops_at() 
 
 
 def test_dspark_history_is_rescaled_to_the_number_of_requests() -> None:
-    from vllm_dspark.scheduling.ranking import tail_from
-
-    # Two requests' ranked survivals read for four requests: each rank twice.
+    # One request's ranked survivals read for two requests: each rank twice, then nothing.
     np.testing.assert_array_equal(tail_from(np.array([0.9, 0.5]), 1, 2, 6), [0.9, 0.9, 0.5, 0.5, 0.0, 0.0])
+    # Three requests' read for one: every third rank (the fourth does not exist).
     np.testing.assert_array_equal(tail_from(np.array([0.9, 0.8, 0.5]), 3, 1, 3), [0.9, 0.0, 0.0])
 
 
