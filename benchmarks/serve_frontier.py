@@ -204,17 +204,21 @@ def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], 
                 process.kill()
 
 
+def plugin_controller(llm):
+    """The plugin's controller of an in-process engine (None without the plugin)."""
+    return getattr(llm.llm_engine.engine_core.engine_core.scheduler, "controller", None)
+
+
 def engine_curve(llm) -> list | None:
     """The SPS curve the plugin's policy prices drafts with (None: no plugin or no curve)."""
-    controller = getattr(llm.llm_engine.engine_core.engine_core.scheduler, "controller", None)
+    controller = plugin_controller(llm)
     curve = None if controller is None else controller.curve
     return None if curve is None else [list(point) for point in curve.points]
 
 
 def plugin_stats(llm) -> dict | None:
     """The plugin's cumulative stats of an in-process engine (None without the plugin)."""
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    controller = getattr(scheduler, "controller", None)
+    controller = plugin_controller(llm)
     if controller is None:
         return None
     stats = controller.stats
@@ -246,16 +250,14 @@ def spec_counters(llm) -> dict[str, int]:
     return counts
 
 
-def predicted_speedup(row: dict, sps: list | None) -> float | None:
+def predicted_speedup(row: dict, curve) -> float | None:
     """The speed-up over plain decoding that the row's accepted tokens and the step curve
     predict: tokens per request per step times T(R) / T(R + verified drafts per step). A
     plain engine emits one token per request per step; the drafter's own time and the
     speculative path's other costs are what the measured speed-up loses against this."""
-    if not sps or not row.get("engine_steps") or "tokens" not in row:
+    if curve is None or not row.get("engine_steps") or "tokens" not in row:
         return None
-    from vllm_dspark.scheduling import SpsCurve
-
-    curve, r, steps = SpsCurve(points=[tuple(p) for p in sps]), row["concurrency"], row["engine_steps"]
+    r, steps = row["concurrency"], row["engine_steps"]
     per_step = row["tokens"] / (r * steps)
     return per_step * curve.step_time(r) / curve.step_time(r + row["draft_tokens"] / steps)
 
@@ -286,6 +288,9 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         "| accepted length (steps with drafts) | verified drafts/step | steps without drafting | mean draft depth | drafting ms/step |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    from vllm_dspark.scheduling import SpsCurve
+
+    curve = SpsCurve(points=[tuple(p) for p in meta["sps"]]) if meta.get("sps") else None
     plain = {row["concurrency"]: row for row in results.get("no-spec", [])}
     for name, rows in results.items():
         for row in rows:
@@ -296,7 +301,7 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
             decode_ratio = f"{decode / base['decode_tok_s_per_user']:.2f}x" if base and "decode_tok_s_per_user" in base else "-"
             drafting = (f"{row['steps_without_drafting']:.0%} | {row['mean_draft_depth']:.2f} | {row['drafting_ms_per_step']:.1f}"
                         if "mean_draft_depth" in row else "- | - | -")
-            predicted = predicted_speedup(row, meta["sps"])
+            predicted = predicted_speedup(row, curve)
             predicted_text = "-" if predicted is None else f"{predicted:.2f}x"
             lines.append(
                 f"| {name} | {row['concurrency']} | {row['throughput_tok_s']:.1f} | {row['per_user_tok_s']:.2f} "

@@ -143,10 +143,15 @@ class DSparkPolicy(VerifyPolicy):
         order = ranking.rank_candidates(step.confidences)
         tau, steps = ranking.expected_throughput(order, step.sps, step.base_tokens)
         num_requests, block = step.confidences.shape
-        reach = ranking.pass_sps(step.sps, step.base_tokens + num_requests, num_requests * block + 1)
-        tail = None if self._previous is None else ranking.tail_from(*self._previous, num_requests, num_requests * block)
+        previous, slots = self._previous, num_requests * block
+
+        def lookahead() -> tuple[np.ndarray, np.ndarray]:
+            assert previous is not None
+            reach = ranking.pass_sps(step.sps, step.base_tokens + num_requests, slots + 1)
+            return reach, ranking.tail_from(*previous, num_requests, slots)
+
         theta = tau * steps
-        count = ranking.cliff_aware_stop(theta[1:] > theta[:-1], order, tau, theta, reach, tail)
+        count = ranking.cliff_aware_stop(theta[1:] > theta[:-1], order, tau, theta, None if previous is None else lookahead)
         self._previous = (order.survival, num_requests)
         return ranking.lengths_of_prefix(order, count)
 

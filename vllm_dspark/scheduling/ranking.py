@@ -134,19 +134,18 @@ def cliff_aware_stop(
     ranking: Ranking,
     tau: np.ndarray,
     theta: np.ndarray,
-    reach: np.ndarray,
-    expected_tail: np.ndarray | None,
+    lookahead: Callable[[], tuple[np.ndarray, np.ndarray]] | None,
     max_checks: int = MAX_CLIFF_CHECKS,
 ) -> int:
     """Number of candidates an early-stopping scan verifies when it may step over a cliff of
     the SPS curve. `improves[n]` says whether candidate n raises theta = tau * SPS; at a
     candidate that does not, the scan goes on if verifying it and the candidates expected
-    after it could still beat the current theta. Their survivals are estimated without
-    reading them: `expected_tail[m]` (rank m's survival in an earlier step, rescaled to this
-    step's number of requests), capped by the current candidate's own a_n, which bounds
-    every later one. `tau`, `theta` are per prefix (from `expected_throughput`), `reach`
-    the SPS of every pass size up to all R * K slots verified (`pass_sps`). Without an
-    `expected_tail` it is the plain early stop.
+    after it could still beat the current theta. `lookahead()` gives (reach, expected_tail),
+    built only when a stop is questioned (not on the hot path otherwise): reach[m] the SPS
+    with m slots verified, up to all R * K (`pass_sps`), expected_tail[m] rank m's survival
+    in an earlier step rescaled to this step's requests (`tail_from`), capped here by the
+    current candidate's own a_n, which bounds every later one. `tau`, `theta` are per
+    prefix (from `expected_throughput`). Without a `lookahead` it is the plain early stop.
 
     Lossless like the plain early stop: whether candidate n is verified depends only on the
     survivals of candidates 0..n (which read no token of request r beyond position j), on
@@ -156,8 +155,9 @@ def cliff_aware_stop(
     counter-example).
     """
     count = stopping_point(improves)
-    if expected_tail is None:
+    if lookahead is None or count >= len(ranking.survival):
         return count
+    reach, expected_tail = lookahead()
     slots = len(reach) - 1
     for _ in range(max_checks):
         if count >= len(ranking.survival):
