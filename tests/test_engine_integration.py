@@ -16,6 +16,7 @@ from tests.tiny_models import (
     record_decisions,
     spec_counters,
 )
+from vllm_dspark.scheduling.overhead import MAX_SCALE, MIN_STEP_FRACTION
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300, 11, 12, 13, 14], [42, 17, 99], [7, 300, 2, 9, 9, 9, 1, 4], [250, 251]]
 MAX_TOKENS = 24
@@ -307,9 +308,10 @@ def test_waiting_prompts_count_in_the_pass_size(tiny_target, fitted_drafter):
 
 @pytest.mark.parametrize("case", ["profile_too_fast", "profile_too_slow", "switched_off"])
 def test_scheduler_learns_the_step_time_the_profile_lacks(tiny_target, fitted_drafter, baseline, case):
-    """A curve claiming 0.1 ms steps: real steps (drafting included) are slower, so the learned
-    offset is positive and enters the policy's curve. A curve claiming 1 s steps: the offset
-    is negative, clamped so that steps keep half their profiled time. Off when switched off."""
+    """A curve claiming 0.1 ms steps: real steps are slower, so the learned model stretches
+    the curve (scale clamped at its bound, the rest an offset) and the policies use it. A
+    curve claiming 1 s steps: the model shrinks it, but only down to half the fastest
+    profiled step. Off when switched off."""
     table = [[1, 1.0], [64, 0.9]] if case == "profile_too_slow" else [[1, 10000.0], [64, 9000.0]]
     measure = case != "switched_off"
     # Raw confidences: recalibrated ones make this drafter verify (and accept) more per step,
@@ -319,18 +321,19 @@ def test_scheduler_learns_the_step_time_the_profile_lacks(tiny_target, fitted_dr
     assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
     controller = engine_scheduler(llm).controller
     if not measure:
-        assert controller.step_overhead.samples == 0 and controller.policy_curve is controller.curve
+        assert controller.step_time.samples == 0 and controller.policy_curve is controller.curve
         return
-    # Most steps teach it something; on a loaded machine the estimator skips some as outliers.
-    assert controller.step_overhead.samples >= MAX_TOKENS // 3
-    learned = controller.policy_curve.step_time(8) - controller.curve.step_time(8)
-    assert controller.stats.step_overhead_ms == pytest.approx(1000 * learned, rel=0.06)
+    # Most steps teach it something; on a loaded machine the model skips some as outliers.
+    assert controller.step_time.samples >= MAX_TOKENS // 3
+    stats, fastest = controller.stats, controller.curve.min_step_time
+    modelled = stats.step_time_scale * fastest + stats.step_overhead_ms / 1000.0
     if case == "profile_too_fast":
-        assert learned > 0
-        assert learned == pytest.approx(controller.step_overhead.seconds, rel=0.06)
+        assert stats.step_time_scale == MAX_SCALE and stats.step_overhead_ms > 0
+        assert controller.policy_curve.step_time(8) > 10 * controller.curve.step_time(8)
     else:
-        assert controller.step_overhead.seconds < -0.5
-        assert learned == pytest.approx(-0.5, rel=0.06), "clamped at half the fastest profiled step"
+        assert stats.step_time_scale < 1.0
+        assert modelled == pytest.approx(MIN_STEP_FRACTION * fastest), "clamped at half the fastest profiled step"
+        assert controller.policy_curve.step_time(1) == pytest.approx(MIN_STEP_FRACTION * fastest, rel=0.06)
 
 
 # Prompts that repeat themselves, so the n-gram lookup finds continuations.

@@ -50,5 +50,64 @@ def test_summary_matches_results_to_configurations(tmp_path: Path):
         (tmp_path / f"comb{i}").mkdir()
         (tmp_path / f"comb{i}" / "run=0.json").write_text(json.dumps(run))
     table = pareto.summarize(tmp_path, params)
-    assert "| dspark | 4 | 60.0 | 15.00 | 1.88x | 1.50x | 1.50 | 100 | 50.0 |" in table
+    assert "| dspark | 4 | 60.0 | 15.00 | 1.88x | 1.50x | 1.50 | 100 | 50.0 | - | - | - |" in table
     assert "| no-spec | 4 | 40.0 | 10.00 | 1.25x | 1.00x | nan |" in table
+
+
+def snapshot(start: float, skipped: float, drafted: float, requests: float, verified: float) -> dict[str, float]:
+    """Plugin metrics as `/metrics` shows them (cumulative since the server started)."""
+    labels = 'engine="0",policy="dspark"'
+    return {
+        "process_start_time_seconds": start,
+        f'vllm_dspark_draft_depth_steps_total{{depth="0",{labels}}}': skipped,
+        f'vllm_dspark_draft_depth_steps_total{{depth="3",{labels}}}': drafted,
+        f"vllm_dspark_verification_budget_count{{{labels}}}": requests,
+        f"vllm_dspark_verification_budget_sum{{{labels}}}": verified,
+        f"vllm_dspark_step_time_scale{{{labels}}}": 1.5,
+        f"vllm_dspark_step_overhead_seconds{{{labels}}}": 0.004,
+    }
+
+
+def test_controller_columns_are_per_run_differences_on_one_server():
+    pareto = load_script()
+    columns = pareto.controller_columns([
+        (16, snapshot(1.0, skipped=90, drafted=20, requests=100, verified=50)),
+        (4, snapshot(1.0, skipped=10, drafted=10, requests=40, verified=40)),
+        (64, snapshot(2.0, skipped=30, drafted=10, requests=10, verified=3)),  # a restarted server
+    ])
+    assert columns[4] == ("50%", "1.00", "1.50x +4 ms")
+    assert columns[16] == ("11%", "0.17", "1.50x +4 ms")  # 80 skipped, 10 drafted; 10 of 60
+    assert columns[64] == ("25%", "0.30", "1.50x +4 ms")
+    assert pareto.controller_columns([(1, {"process_start_time_seconds": 1.0})]) == {}
+
+
+def test_after_bench_hook_stores_the_plugin_metrics_beside_the_newest_run(tmp_path: Path):
+    import http.server
+    import os
+    import threading
+
+    body = b'# HELP x\nprocess_start_time_seconds 12.0\nvllm:other 3.0\nvllm_dspark_step_time_scale{engine="0",policy="dspark"} 1.25\n'
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("localhost", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for i, name in enumerate(["SERVE--a-BENCH--users-1", "SERVE--a-BENCH--users-4"]):
+            (tmp_path / name).mkdir()
+            run = tmp_path / name / "run=0.json"
+            run.write_text("{}")
+            os.utime(run, (1000 + i, 1000 + i))
+        out = load_script().snapshot_plugin_metrics(server.server_port, tmp_path)
+    finally:
+        server.shutdown()
+    assert out == tmp_path / "SERVE--a-BENCH--users-4" / "plugin_metrics-run=0.json"
+    assert json.loads(out.read_text()) == {
+        "process_start_time_seconds": 12.0, 'vllm_dspark_step_time_scale{engine="0",policy="dspark"}': 1.25}

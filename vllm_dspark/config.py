@@ -193,7 +193,7 @@ class PluginOptions(BaseModel):
     # With sps_profile "auto": measure the curve at start-up when no cached one exists.
     profile_at_startup: bool = False
     min_tokens_per_s: float = Field(default=0.0, ge=0.0)
-    # Learn the per-step time the curve lacks (drafting) from measured steps; add it to SPS.
+    # Learn how the served steps relate to the curve (scale and offset, scheduling/overhead.py).
     measure_step_overhead: bool = True
     # Correct the drafter's confidences per position from the acceptance observed while
     # serving (online Platt scaling; see vllm_dspark/scheduling/recalibration.py).

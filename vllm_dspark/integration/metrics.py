@@ -78,13 +78,13 @@ def _engine_families(engine: int, stats: DSparkStats) -> list:
     )
     gauge.add_metric(values, stats.calibration_error)
     families.append(gauge)
-    overhead = GaugeMetricFamily(
-        "vllm_dspark_step_overhead_seconds",
-        "Learned per-step time beyond the SPS profile (drafting), added to SPS by the policies",
-        labels=labels,
-    )
-    overhead.add_metric(values, stats.step_overhead_ms / 1000.0)
-    families.append(overhead)
+    for name, doc, value in [
+        ("step_time_scale", "Learned step-time model: measured steps ~ this x the SPS profile + the offset", stats.step_time_scale),
+        ("step_overhead_seconds", "Learned step-time model: seconds per step beyond the scaled SPS profile (signed)", stats.step_overhead_ms / 1000.0),
+    ]:
+        family = GaugeMetricFamily(f"vllm_dspark_{name}", doc, labels=labels)
+        family.add_metric(values, value)
+        families.append(family)
     depths = CounterMetricFamily(
         "vllm_dspark_draft_depth_steps",
         "Engine steps by the draft depth planned for them (0: drafting skipped)",

@@ -1,10 +1,10 @@
 """The verification controller: every per-step decision of the plugin, without vLLM.
 
 Built once from the validated plugin options, it owns all state that lives across steps
-(the policy object, live recalibration per sampling mode, the learned step overhead and
-the verifications waiting for their outcome) and is driven through a small loop:
+(the policy object, live recalibration per sampling mode, the learned model of the step
+time and the verifications waiting for their outcome) and is driven through a small loop:
 
-    step_started(now)          time since the previous step -> step-overhead estimate
+    step_started(now)          time since the previous step -> the step-time model
     decide(StepInputs)         confidences of the drafting requests -> VerifyDecision
     step_scheduled(...)        what the engine really scheduled (it may cut drafts further)
     observe(emitted)           tokens each request emitted -> acceptance, recalibration
@@ -20,11 +20,12 @@ applies the lengths; the simulator (`benchmarks/simulate_scheduling.py`) drives 
 same class over recorded draft rounds.
 
 Whether and how deep to draft: for depth d = 0..K the controller predicts the next step's
-throughput R * (1 + a_1 + ... + a_d) / (T(R + R d) + overhead + D(R, d)), with a_j the
-recent mean calibrated prefix survival per position, T the profiled step, overhead the
-learned step time besides drafting, and D the drafting time, learned live by least squares
-on the drafter's own timings, and drafts the best d. While d = 0 wins it still drafts in
-one position every `PROBE_INTERVAL` steps, so the survival estimate stays fresh.
+throughput R * (1 + a_1 + ... + a_d) / (s T(R + R d) + o + D(R, d)), with a_j the
+recent mean calibrated prefix survival per position, T the profiled step, s and o the scale
+and offset that map it to the measured steps (drafting left out; scheduling/overhead.py),
+and D the drafting time, learned live by least squares on the drafter's own timings, and
+drafts the best d. While d = 0 wins it still drafts in one position every `PROBE_INTERVAL`
+steps, so the survival estimate stays fresh.
 
 Exactness: the lengths of a step depend on that step's confidences through the policy
 (non-anticipating, DSPARK.md section 4) and on state learned from earlier steps only.
@@ -40,7 +41,7 @@ import numpy as np
 
 from vllm_dspark.config import PluginOptions
 from vllm_dspark.scheduling import hybrid
-from vllm_dspark.scheduling.overhead import StepOverheadEstimator, offset_for
+from vllm_dspark.scheduling.overhead import StepTimeModel, applied_model
 from vllm_dspark.scheduling.policies import (
     Admission,
     FixedPolicy,
@@ -64,6 +65,8 @@ SAMPLING_MODES = ("greedy", "sampled")
 MAX_IN_FLIGHT = 16
 # While not drafting, draft one position once every this many steps to re-measure survival.
 PROBE_INTERVAL = 16
+# Weight of each drafted step in the moving average of drafting seconds per step.
+DRAFTING_SMOOTHING = 0.1
 # Weight of each drafted step in the per-position survival estimate.
 SURVIVAL_SMOOTHING = 0.2
 
@@ -168,10 +171,13 @@ class VerificationController:
                 "'fixed' (all drafts) until one exists", options.policy,
             )
             self.policy = FixedPolicy(options.k)
-        # The curve the policies use: the profile plus the learned per-step offset.
+        # The curve the policies use: the profile mapped by the learned step-time model, with
+        # the drafting of a step added.
         self.policy_curve: SpsFunction = curve if curve is not None else _flat_curve
-        self.step_overhead = StepOverheadEstimator()
-        self.learns_step_overhead = options.measure_step_overhead and can_time_steps and curve is not None
+        self.step_time = StepTimeModel()
+        self.learns_step_time = options.measure_step_overhead and can_time_steps and curve is not None
+        self._model = (1.0, 0.0)  # (scale, offset) as applied to the curve
+        self._policy_model = (1.0, 0.0)  # (scale, offset + drafting) policy_curve was built with
         self.recalibrators = (
             {mode: OnlineRecalibrator(learning_rate=options.recalibration_rate) for mode in SAMPLING_MODES}
             if options.recalibrate
@@ -179,7 +185,6 @@ class VerificationController:
         )
         self.ngram = hybrid.NgramConfidence(self.block) if options.hybrid_ngram and self.block else None
         self.stats = DSparkStats(policy=self.policy.name)
-        self._applied_offset = 0.0
         self._previous_step: tuple[float, int] | None = None  # (start time, tokens in the pass)
         # This step's decision with its prefix survival, raw confidences, greedy mask and
         # n-gram match lengths.
@@ -189,24 +194,38 @@ class VerificationController:
         # per position (None until a drafted step was seen).
         self.drafting_cost = DraftingCost()
         self.drafting_seconds = 0.0
+        self._drafting_in_step = 0.0  # drafting measured since the current step started
         self.mean_survival: np.ndarray | None = None
         self._steps_without_drafts = 0
 
     # ------------------------------------------------------------ the step
     def step_started(self, now: float) -> None:
         """Time since the previous step started = that step's wall time (the schedule ->
-        execute -> update loop); compare it with the profile at that pass size."""
-        if self._previous_step is None or not self.learns_step_overhead:
+        execute -> update loop); less the drafting measured in it, it is compared with the
+        profile at that pass size."""
+        drafting, self._drafting_in_step = self._drafting_in_step, 0.0
+        if self._previous_step is None or not self.learns_step_time:
             return
         assert self.curve is not None
         started, tokens = self._previous_step
-        if not self.step_overhead.observe(now - started, self.curve.step_time(tokens)):
+        if not self.step_time.observe(now - started - drafting, self.curve.step_time(tokens)):
             return
-        offset = offset_for(self.curve, self.step_overhead.seconds)
+        self._model = applied_model(self.curve, self.step_time.scale, self.step_time.offset)
+        self.stats.step_time_scale, offset = self._model
         self.stats.step_overhead_ms = 1000.0 * offset
-        if abs(offset - self._applied_offset) > max(0.05 * abs(self._applied_offset), 1e-4):  # 5% / 0.1 ms
-            self.policy_curve = self.curve.with_step_overhead(offset)
-            self._applied_offset = offset
+        self._refresh_policy_curve()
+
+    def _refresh_policy_curve(self) -> None:
+        """Rebuild the policies' curve when the model moved its steps by more than 2%
+        (rebuilding every step would cost more than the precision is worth)."""
+        assert self.curve is not None
+        scale, offset = self._model
+        model = (scale, offset + self.drafting_seconds)
+        anchors = np.array([self.curve.min_step_time, self.curve.step_time(self.curve.points[-1][0])])
+        new, old = (m[0] * anchors + m[1] for m in (model, self._policy_model))
+        if np.any(np.abs(new - old) > 0.02 * old):
+            self.policy_curve = self.curve.with_step_model(*model)
+            self._policy_model = model
 
     def decide(self, step: StepInputs) -> VerifyDecision:
         """Verification lengths of the drafting requests of this step."""
@@ -293,9 +312,8 @@ class VerificationController:
         depths = np.arange(max_depth + 1)
         survival = self.mean_survival[:max_depth]
         tokens = num_requests * (1.0 + np.r_[0.0, np.cumsum(survival)])
-        # The learned step offset includes the drafting of the steps it was learned on.
-        besides_drafting = self.step_overhead.seconds - self.drafting_seconds if self.learns_step_overhead else 0.0
-        step = self.curve.step_time(num_requests * (1 + depths)) + besides_drafting
+        scale, offset = self._model
+        step = scale * self.curve.step_time(num_requests * (1 + depths)) + offset
         step += self.drafting_cost.predict(num_requests, depths)
         return int(np.argmax(tokens / np.maximum(step, 1e-9)))
 
@@ -304,7 +322,8 @@ class VerificationController:
         if num_requests <= 0 or seconds <= 0.0:
             return
         self.drafting_cost.observe(num_requests, depth, lm_head_rows, seconds)
-        weight = 1.0 if self.drafting_cost.samples == 1 else self.step_overhead.smoothing
+        self._drafting_in_step += seconds
+        weight = 1.0 if self.drafting_cost.samples == 1 else DRAFTING_SMOOTHING
         self.drafting_seconds += weight * (seconds - self.drafting_seconds)
         self.stats.record_drafting(lm_head_rows, seconds)
 

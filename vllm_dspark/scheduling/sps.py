@@ -92,15 +92,20 @@ class SpsCurve(pydantic.BaseModel):
         """Seconds of the fastest step on the curve."""
         return self._min_step_time
 
-    def with_step_overhead(self, seconds: float) -> SpsCurve:
-        """The curve with `seconds` added to every step (negative: removed).
+    def with_step_model(self, scale: float, offset: float) -> SpsCurve:
+        """The curve with each step time t replaced by scale * t + offset (a learned model of
+        the serving engine, `scheduling/overhead.py`).
 
-        Exact for the interpolation: step time is linear between points, so adding a
-        constant to each point adds it everywhere, the tail included.
+        Exact for the interpolation: step time is linear between points, so an affine map of
+        each point maps it everywhere, the tail included.
         """
-        if not math.isfinite(seconds) or seconds <= -self.min_step_time:
-            raise ValueError(f"step overhead must be finite and > -{self.min_step_time:.6f} s, got {seconds}")
-        points = [(batch, 1.0 / (1.0 / sps + seconds)) for batch, sps in self.points]
+        fastest = scale * self.min_step_time + offset
+        if not (math.isfinite(scale) and math.isfinite(offset) and scale > 0 and fastest > 0):
+            raise ValueError(
+                f"step model (scale {scale}, offset {offset} s) must be finite with scale > 0 and keep "
+                f"the fastest step ({self.min_step_time:.6f} s) positive"
+            )
+        points = [(batch, 1.0 / (scale / sps + offset)) for batch, sps in self.points]
         return SpsCurve(points=points, metadata=self.metadata)
 
     def over_range(self, first: int, count: int) -> np.ndarray:

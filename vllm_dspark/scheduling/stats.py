@@ -25,7 +25,9 @@ class DSparkStats:
     verified_requests: int = 0  # (request, step) pairs that verified >= 0 drafts
     missing_confidences: int = 0
     invalid_confidences: int = 0
-    step_overhead_ms: float = 0.0  # learned per-step time beyond the SPS profile (drafting)
+    # The learned step-time model, drafting left out: measured ~ scale * profiled + offset.
+    step_time_scale: float = 1.0
+    step_overhead_ms: float = 0.0
     # Live recalibration per sampling mode ("greedy", "sampled") and block position:
     # c' = sigmoid(slope * logit(c) + shift).
     confidence_slopes: dict[str, list[float]] = field(default_factory=dict)
@@ -83,8 +85,8 @@ class DSparkStats:
             f"({100.0 * self.pruned / max(1, self.proposed):.1f}%), accepted {self.accepted} "
             f"(predicted {self.predicted_accepted:.1f}, calibration error "
             f"{self.calibration_error:+.3f} per verified draft), mean verification budget "
-            f"{self.verified / max(1, self.verified_requests):.2f} tokens/request, step overhead "
-            f"beyond the SPS profile {self.step_overhead_ms:.1f} ms, draft depth per step "
+            f"{self.verified / max(1, self.verified_requests):.2f} tokens/request, steps "
+            f"{self.step_time_scale:.2f} x the SPS profile {self.step_overhead_ms:+.1f} ms, draft depth per step "
             f"{self.draft_depth_counts} (index = depth), {self.lm_head_rows} LM-head rows, "
             f"{self.drafting_seconds:.1f} s drafting"
             + (f", n-gram drafts proposed {self.ngram_proposed}, verified {self.ngram_verified}, "
