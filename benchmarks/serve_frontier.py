@@ -22,6 +22,13 @@ drafter sees the target's hidden states again: measured at R = 16, that alone ma
 never-drafting speculative engine 0.78x a plain one, against 0.97x with caching off.
 Writes JSON, Markdown and a Pareto plot.
 
+`benchmarks/pareto.py` is the same comparison with vLLM's own tools (`vllm bench sweep
+serve`, `plot_pareto`), which is what users reproduce. This script keeps what those tools
+cannot measure: every configuration alive at once with interleaved waves (a sweep starts
+one server after another, so drift between configurations is not controlled) and, per
+row, what the controller did (verified drafts per step, steps without drafting, draft
+depth, drafting time) beside the speed-up its accepted tokens and the step curve predict.
+
     python benchmarks/serve_frontier.py --drafter examples/drafters/smollm2-dspark-b7
 """
 

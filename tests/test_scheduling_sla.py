@@ -40,10 +40,7 @@ def reference_sla(c: np.ndarray, sps, floors: np.ndarray, base_tokens: int = 0) 
     for n, (r, j, survival) in enumerate(order, start=1):
         per_step[r] += survival
         new_theta, new_worst = evaluate(n)
-        if worst >= 1.0:
-            keep = new_theta > theta and new_worst >= 1.0
-        else:
-            keep = new_theta > theta or new_worst > worst
+        keep = new_theta > theta and (worst < 1.0 or new_worst >= 1.0)
         if not keep:
             break
         lengths[r], theta, worst = j, new_theta, new_worst
@@ -93,12 +90,22 @@ def test_an_unreachable_floor_is_reported_and_throughput_still_maximised() -> No
 
 def test_unmet_equal_floors_do_not_collapse_to_no_speculation() -> None:
     # Verifying either request's token slows the other, so no single step raises the worst
-    # user's speed; verifying both raises everyone's (1.8 * 0.9 > 1.0).
+    # user's speed; throughput decides, and verifying both raises everyone's (1.8 * 0.9 > 1.0).
     curve = SpsCurve(points=[(2, 1.0), (3, 0.95), (4, 0.9)])
     plan = plan_sla(np.array([[0.8], [0.8]]), curve, 5.0)
     assert plan.lengths.tolist() == [1, 1]
     assert not plan.feasible
     np.testing.assert_allclose(plan.tokens_per_s, [1.8 * 0.9, 1.8 * 0.9])
+
+
+def test_an_unmet_floor_buys_no_draft_that_costs_throughput() -> None:
+    # Request 0 cannot reach 5 tokens/s. Its first draft raises throughput (2.0 -> 2.6 * 0.9
+    # = 2.34); its second would lift its own ratio (1.6 * 0.9 / 5 = 0.288 -> 2.14 * 0.7 / 5 =
+    # 0.2996) at a loss of throughput (3.14 * 0.7 = 2.198): under overload that loses for all.
+    curve = SpsCurve(points=[(2, 1.0), (3, 0.9), (4, 0.7), (5, 0.5)])
+    plan = plan_sla(np.array([[0.6, 0.9], [1.0, 1.0]]), curve, np.array([5.0, 0.0]))
+    assert plan.lengths.tolist() == [1, 0] and not plan.feasible
+    assert plan.throughput == pytest.approx(2.34)
 
 
 def test_a_high_floor_can_be_reached_by_verifying_the_request_s_own_drafts() -> None:

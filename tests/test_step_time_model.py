@@ -154,3 +154,18 @@ def test_the_controller_stops_drafting_on_an_engine_slower_in_proportion():
     }
     assert runs["scaled"].count(0) > 0.8 * len(runs["scaled"]), "plain decoding wins on the scaled engine"
     assert runs["shifted"].count(0) < 0.2 * len(runs["shifted"]), "drafting pays on the shifted one"
+
+
+def test_steps_with_prompt_tokens_are_not_timed():
+    """A pass of prompts lies beyond the decode profile: it would teach the model the most
+    (leverage) and the least (an extrapolated step time)."""
+    options = PluginOptions(policy="dspark", sps_table=STARTUP_CURVE.points)
+    controller = VerificationController(options, STARTUP_CURVE, num_speculative_tokens=7)
+    now = 0.0
+    for step in range(10):
+        prefill = 2048 if step % 2 else 0
+        controller.step_started(now)
+        controller.step_scheduled(now, 16 + prefill, prefill_tokens=prefill)
+        now += 2.0 * STARTUP_CURVE.step_time(16) if not prefill else 0.5
+    assert controller.step_time.samples == 5, "only the decode steps teach the model"
+    assert controller.step_time.predict(STARTUP_CURVE.step_time(16)) == pytest.approx(2.0 * STARTUP_CURVE.step_time(16), rel=0.01)

@@ -142,7 +142,9 @@ class DSparkScheduler(Scheduler):
         self._confidences = None
         output = super().schedule(*args, **kwargs)
         scheduled = {req_id: len(ids) for req_id, ids in output.scheduled_spec_decode_tokens.items()}
-        self.controller.step_scheduled(started, output.total_num_scheduled_tokens, scheduled)
+        # Tokens beyond one per running request and its drafts are prompt tokens (prefill).
+        prefill = output.total_num_scheduled_tokens - len(output.num_scheduled_tokens) - sum(scheduled.values())
+        self.controller.step_scheduled(started, output.total_num_scheduled_tokens, scheduled, max(0, prefill))
         setattr(output, POINT_MASS_FIELD, frozenset(r for r in scheduled if r in self._ngram_matches))
         # How the worker drafts after this step (vLLM's dynamic speculation field).
         plan = self.controller.plan_drafting(len(output.num_scheduled_tokens))

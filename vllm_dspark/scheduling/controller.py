@@ -185,7 +185,8 @@ class VerificationController:
         )
         self.ngram = hybrid.NgramConfidence(self.block) if options.hybrid_ngram and self.block else None
         self.stats = DSparkStats(policy=self.policy.name)
-        self._previous_step: tuple[float, int] | None = None  # (start time, tokens in the pass)
+        # (start time, tokens in the pass, of them prefill) of the step in flight
+        self._previous_step: tuple[float, int, int] | None = None
         # This step's decision with its prefix survival, raw confidences, greedy mask and
         # n-gram match lengths.
         self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -207,8 +208,8 @@ class VerificationController:
         if self._previous_step is None or not self.learns_step_time:
             return
         assert self.curve is not None
-        started, tokens = self._previous_step
-        if not self.step_time.observe(now - started - drafting, self.curve.step_time(tokens)):
+        started, tokens, prefill = self._previous_step
+        if prefill or not self.step_time.observe(now - started - drafting, self.curve.step_time(tokens)):
             return
         self._model = applied_model(self.curve, self.step_time.scale, self.step_time.offset)
         self.stats.step_time_scale, offset = self._model
@@ -246,10 +247,14 @@ class VerificationController:
         self._decision = (decision, survival, raw, step.greedy, matches)
         return decision
 
-    def step_scheduled(self, started: float, total_tokens: int, scheduled_drafts: dict[str, int] | None = None) -> None:
+    def step_scheduled(
+        self, started: float, total_tokens: int, scheduled_drafts: dict[str, int] | None = None, prefill_tokens: int = 0
+    ) -> None:
         """Close the step: `scheduled_drafts` (request -> drafts the engine scheduled; None =
         as decided) replaces the planned lengths, since the engine may cut drafts further
-        (token budget, model length) and an unscheduled draft was never judged."""
+        (token budget, model length) and an unscheduled draft was never judged.
+        `prefill_tokens` of the pass are prompt tokens: such a step is not timed for the
+        step-time model (the profile times decode passes; see scheduling/overhead.py)."""
         pending = None
         if self._decision is not None:
             decision, survival, raw, greedy, matches = self._decision
@@ -261,7 +266,7 @@ class VerificationController:
             pending = _Pending(decision.req_ids, raw, greedy, verified, predicted, matches)
             self._decision = None
         self._pending.append(pending)
-        self._previous_step = (started, total_tokens) if total_tokens else None
+        self._previous_step = (started, total_tokens, prefill_tokens) if total_tokens else None
 
     def awaiting_outcome(self) -> tuple[str, ...]:
         """Requests of the oldest scheduled step whose outcome `observe` takes next."""

@@ -13,14 +13,23 @@ where they should verify less (`vllm bench serve`, SmolLM2 on this CPU, 16 users
 steps of 122 ms against 54 ms profiled, and dspark drafting on most steps at 0.76x the
 per-user speed of plain decoding).
 
-The scheduler times consecutive steps, takes out the drafting it measured in them (the
-drafting cost model prices that), and feeds (measured, profiled) pairs to `StepTimeModel`,
+The scheduler times consecutive decode steps, takes out the drafting it measured in them
+(the drafting cost model prices that), and feeds (measured, profiled) pairs to `StepTimeModel`,
 which fits measured ~ scale * profiled + offset by exponentially weighted least squares
 with a ridge towards the profile as given (scale 1, offset 0). Steps of varied size (probes,
-verification lengths, prefills, requests coming and going) tell the two apart; while all
+verification lengths, requests coming and going) tell the two apart; while all
 steps have the same profiled time the ridge splits the difference evenly between them.
 The policies then use `SpsCurve.with_step_model(scale, offset)`, which never gets below
 `MIN_STEP_FRACTION` of the profile's fastest step.
+
+Steps that carry prompt tokens are not timed. The profile times decode passes; a prefill
+token skips the LM head and the sampler, and a pass of many prompts lies far beyond the
+profile's last point, where its step time is an extrapolation. Such points have the most
+leverage in a least-squares fit: in the serving frontier, whose waves prefill 64 prompts at
+once, the first version of this model (prefills included) drafted on 99% of the steps at
+64 requests, where the offset-only one had skipped 86-90%, and dspark fell from 0.96x to
+0.80x the per-user speed of plain decoding (most likely taught by those passes that steps
+cost a fraction of the profile).
 """
 
 from __future__ import annotations
