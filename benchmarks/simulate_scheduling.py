@@ -22,7 +22,7 @@ Every step runs through the engine's own `VerificationController` (policy object
 dspark_async budget chain, live recalibration): the simulator differs from the engine only
 in where the step's inputs come from. Decode-only passes (no prefill tokens in B), all
 requests sampled (one recalibrator), steps exactly as long as the curve says (no learned
-step overhead).
+step-time model).
 
 Live recalibration study: the trace's confidences are distorted the ways a drafter can be
 off in serving (biased or too sharp, see `MISCALIBRATIONS`), and `dspark` replays them

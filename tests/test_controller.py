@@ -119,7 +119,7 @@ def test_good_client_floors_are_read() -> None:
     assert request_floor(None, 7.0) == request_floor({"other": 1}, 7.0) == 7.0
 
 
-def test_step_overhead_is_learned_only_where_steps_can_be_timed() -> None:
+def test_step_time_is_learned_only_where_steps_can_be_timed() -> None:
     options = PluginOptions(policy="dspark", sps_table=CURVE.points)
     for can_time, learns in ((True, True), (False, False)):
         controller = VerificationController(options, CURVE, can_time_steps=can_time)
