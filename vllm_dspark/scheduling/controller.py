@@ -178,6 +178,10 @@ class VerificationController:
         self.learns_step_time = options.measure_step_overhead and can_time_steps and curve is not None
         self._model = (1.0, 0.0)  # (scale, offset) as applied to the curve
         self._policy_model = (1.0, 0.0)  # (scale, offset + drafting) policy_curve was built with
+        # Profiled steps at which a model change is judged big enough to rebuild policy_curve.
+        self._anchor_steps = (
+            None if curve is None else np.array([curve.min_step_time, curve.step_time(curve.points[-1][0])])
+        )
         self.recalibrators = (
             {mode: OnlineRecalibrator(learning_rate=options.recalibration_rate) for mode in SAMPLING_MODES}
             if options.recalibrate
@@ -185,8 +189,8 @@ class VerificationController:
         )
         self.ngram = hybrid.NgramConfidence(self.block) if options.hybrid_ngram and self.block else None
         self.stats = DSparkStats(policy=self.policy.name)
-        # (start time, tokens in the pass, of them prefill) of the step in flight
-        self._previous_step: tuple[float, int, int] | None = None
+        # (start time, tokens in the pass) of the decode step in flight; None: not timed
+        self._previous_step: tuple[float, int] | None = None
         # This step's decision with its prefix survival, raw confidences, greedy mask and
         # n-gram match lengths.
         self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -208,8 +212,8 @@ class VerificationController:
         if self._previous_step is None or not self.learns_step_time:
             return
         assert self.curve is not None
-        started, tokens, prefill = self._previous_step
-        if prefill or not self.step_time.observe(now - started - drafting, self.curve.step_time(tokens)):
+        started, tokens = self._previous_step
+        if not self.step_time.observe(now - started - drafting, self.curve.step_time(tokens)):
             return
         self._model = applied_model(self.curve, self.step_time.scale, self.step_time.offset)
         self.stats.step_time_scale, offset = self._model
@@ -219,11 +223,10 @@ class VerificationController:
     def _refresh_policy_curve(self) -> None:
         """Rebuild the policies' curve when the model moved its steps by more than 2%
         (rebuilding every step would cost more than the precision is worth)."""
-        assert self.curve is not None
+        assert self.curve is not None and self._anchor_steps is not None
         scale, offset = self._model
         model = (scale, offset + self.drafting_seconds)
-        anchors = np.array([self.curve.min_step_time, self.curve.step_time(self.curve.points[-1][0])])
-        new, old = (m[0] * anchors + m[1] for m in (model, self._policy_model))
+        new, old = (m[0] * self._anchor_steps + m[1] for m in (model, self._policy_model))
         if np.any(np.abs(new - old) > 0.02 * old):
             self.policy_curve = self.curve.with_step_model(*model)
             self._policy_model = model
@@ -266,7 +269,7 @@ class VerificationController:
             pending = _Pending(decision.req_ids, raw, greedy, verified, predicted, matches)
             self._decision = None
         self._pending.append(pending)
-        self._previous_step = (started, total_tokens, prefill_tokens) if total_tokens else None
+        self._previous_step = (started, total_tokens) if total_tokens and not prefill_tokens else None
 
     def awaiting_outcome(self) -> tuple[str, ...]:
         """Requests of the oldest scheduled step whose outcome `observe` takes next."""
