@@ -45,25 +45,37 @@ def run_steps(controller: VerificationController, survival: float, steps: int, r
     return depths
 
 
-def controller_on(curve: SpsCurve) -> VerificationController:
-    options = PluginOptions(policy="dspark", sps_table=curve.points, measure_step_overhead=False, recalibrate=False)
+# The policies whose drafting depth the controller chooses; sla with floors no step can
+# meet (overload: it takes only throughput-raising drafts) and with floors plain decoding
+# already meets.
+ADAPTIVE_POLICIES = {
+    "dspark": {"policy": "dspark"},
+    "sla, unmet floors": {"policy": "sla", "min_tokens_per_s": 1000.0},
+    "sla, met floors": {"policy": "sla", "min_tokens_per_s": 0.5},
+}
+
+
+def controller_on(curve: SpsCurve, policy: str = "dspark") -> VerificationController:
+    options = PluginOptions(**ADAPTIVE_POLICIES[policy], sps_table=curve.points, measure_step_overhead=False, recalibrate=False)
     return VerificationController(options, curve, num_speculative_tokens=K)
 
 
-def test_stops_drafting_where_it_never_pays_and_probes_now_and_then() -> None:
+@pytest.mark.parametrize("policy", ADAPTIVE_POLICIES)
+def test_stops_drafting_where_it_never_pays_and_probes_now_and_then(policy: str) -> None:
     # Verification is expensive and drafts are rarely right: plain decoding wins.
     steep = SpsCurve(points=[(1, 20.0), (8, 18.0), (16, 5.0), (64, 1.0)])
-    depths = run_steps(controller_on(steep), survival=0.05, steps=3 * PROBE_INTERVAL)
+    depths = run_steps(controller_on(steep, policy), survival=0.05, steps=3 * PROBE_INTERVAL)
     settled = depths[5:]
     assert settled.count(0) > 0.85 * len(settled)
     assert set(settled) <= {0, 1}, "probes draft a single position"
     assert 1 in settled, "a probe now and then keeps the survival estimate fresh"
 
 
-def test_always_drafts_in_full_where_it_always_pays() -> None:
+@pytest.mark.parametrize("policy", ADAPTIVE_POLICIES)
+def test_always_drafts_in_full_where_it_always_pays(policy: str) -> None:
     # Verification is nearly free and drafts survive: draft every position, every step.
     flat = SpsCurve(points=[(1, 10.0), (512, 9.9)])
-    depths = run_steps(controller_on(flat), survival=0.95, steps=2 * PROBE_INTERVAL)
+    depths = run_steps(controller_on(flat, policy), survival=0.95, steps=2 * PROBE_INTERVAL)
     assert depths == [K] * len(depths)
 
 

@@ -51,8 +51,9 @@ def spec_config(drafter: Path, k: int = K) -> dict:
 
 @pytest.mark.parametrize(
     "plugin_options",
-    [{"policy": "fixed"}, {"policy": "fixed", "k": 2}, {"policy": "dspark", "sps_table": SPS_TABLE}],
-    ids=["fixed", "fixed-k2", "dspark"],
+    [{"policy": "fixed"}, {"policy": "fixed", "k": 2}, {"policy": "dspark", "sps_table": SPS_TABLE},
+     {"policy": "sla", "sps_table": SPS_TABLE, "min_tokens_per_s": 30.0}],
+    ids=["fixed", "fixed-k2", "dspark", "sla"],
 )
 def test_greedy_outputs_identical(tiny_target, fitted_drafter, baseline, plugin_options):
     llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": plugin_options})
@@ -223,7 +224,10 @@ def test_sla_priority_from_request_extra_args(tiny_target, baseline, tmp_path):
     drafter = make_drafter(tiny_target, tmp_path / "drafter")
     fit_markov_to_transitions(drafter, tiny_target, [p + o for p, o in zip(PROMPTS, baseline)], confidence_gain=4.0)
 
-    options = {"vllm_dspark": {"policy": "sla", **AS_GIVEN, **DRAFTER_ONLY, "min_tokens_per_s": 0.0}}
+    # Every position drafted: the priority orders the candidates a step has; how deep a step
+    # drafts is the throughput decision tested in test_adaptive_drafting.py.
+    options = {"vllm_dspark": {"policy": "sla", **AS_GIVEN, **DRAFTER_ONLY, "min_tokens_per_s": 0.0,
+                               "adaptive_drafting": False}}
 
     def mean_verified_per_prompt(floors: dict[int, float]) -> list[float]:
         llm = make_llm(tiny_target, spec_config(drafter), options)

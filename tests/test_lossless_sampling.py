@@ -93,7 +93,13 @@ def peaked_target(tmp_path_factory) -> Path:
     return target
 
 
-def test_dspark_policy_keeps_target_distribution(peaked_target: Path, tmp_path: Path):
+# The policies whose drafting depth and early stop the controller chooses (sla: a floor
+# above what any step reaches, so it takes throughput-raising drafts only).
+ADAPTIVE = {"dspark": {"policy": "dspark"}, "sla": {"policy": "sla", "min_tokens_per_s": 1000.0}}
+
+
+@pytest.mark.parametrize("policy", ADAPTIVE)
+def test_adaptive_policy_keeps_target_distribution(peaked_target: Path, tmp_path: Path, policy: str):
     exact = exact_pair_distribution(peaked_target)
     prompts = [PROMPT] * SAMPLES
 
@@ -110,7 +116,7 @@ def test_dspark_policy_keeps_target_distribution(peaked_target: Path, tmp_path: 
         # As given: the test needs pruning, whatever this machine's step times are; the
         # curve is flat enough that drafting one position pays, steep enough that the
         # drafter's early stop cuts low-survival requests.
-        {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE, "measure_step_overhead": False}},
+        {"vllm_dspark": {**ADAPTIVE[policy], "sps_table": SPS_TABLE, "measure_step_overhead": False}},
         max_num_seqs=64,
     )
     speculative = sample(llm)

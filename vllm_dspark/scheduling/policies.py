@@ -108,6 +108,27 @@ class ThresholdPolicy(VerifyPolicy):
         return np.count_nonzero(survival >= self.threshold, axis=1).astype(np.int64)
 
 
+# Share of the admission bound kept as the drafting early stop: the next step's load may
+# differ from this one's, and stopping too early only costs accepted tokens.
+EARLY_STOP_MARGIN = 0.5
+
+
+def never_verified_below(sps: SpsFunction, num_requests: int, block: int) -> float:
+    """The drafting early stop of the policies that verify a candidate only if it raises
+    expected throughput (dspark, sla). The dspark scan admits candidate n only if
+    a_n > tau(n-1) * (SPS(B-1) / SPS(B+m) - 1) / (m+1) for some m >= 0 (m = 0: the plain
+    early stop; sla only ever uses m = 0), and tau >= R (every request's own token). That
+    average relative step-cost increase is at least the smallest one-token increase, so
+    below R times the smallest over the pass sizes the step can reach no slot is ever
+    verified; `EARLY_STOP_MARGIN` of that bound is returned."""
+    if num_requests == 0 or block == 0:
+        return 0.0
+    batch = np.arange(num_requests, num_requests * (block + 1) + 1, dtype=np.float64)
+    steps = np.asarray(sps(batch), dtype=np.float64)
+    increase = steps[:-1] / steps[1:] - 1.0
+    return EARLY_STOP_MARGIN * num_requests * max(0.0, float(increase.min()))
+
+
 class DSparkPolicy(VerifyPolicy):
     """DSPARK.md section 4: scan candidates by survival, stop at the first that does not
     strictly raise expected throughput tau * SPS(B), unless the candidates expected after it
@@ -119,25 +140,12 @@ class DSparkPolicy(VerifyPolicy):
     name = "dspark"
     needs_curve = True
     adaptive_depth = True
-    # Share of the admission bound kept as the drafting early stop: the next step's load
-    # may differ from this one's, and stopping too early only costs accepted tokens.
-    EARLY_STOP_MARGIN = 0.5
 
     def __init__(self) -> None:
         self._previous: tuple[np.ndarray, int] | None = None  # last call's ranked survivals, R
 
     def min_survival(self, sps: SpsFunction, num_requests: int, block: int) -> float:
-        """The scan admits candidate n only if a_n > tau(n-1) * (SPS(B-1) / SPS(B+m) - 1) / (m+1)
-        for some m >= 0 (m = 0: the plain early stop), and tau >= R (every request's own
-        token). That average relative step-cost increase is at least the smallest one-token
-        increase, so below R times the smallest over the pass sizes it can reach no slot is
-        ever verified."""
-        if num_requests == 0 or block == 0:
-            return 0.0
-        batch = np.arange(num_requests, num_requests * (block + 1) + 1, dtype=np.float64)
-        steps = np.asarray(sps(batch), dtype=np.float64)
-        increase = steps[:-1] / steps[1:] - 1.0
-        return self.EARLY_STOP_MARGIN * num_requests * max(0.0, float(increase.min()))
+        return never_verified_below(sps, num_requests, block)
 
     def lengths(self, step: PolicyStep) -> np.ndarray:
         order = ranking.rank_candidates(step.confidences)
@@ -220,6 +228,9 @@ class SlaPolicy(VerifyPolicy):
     serving_options = ("min_tokens_per_s",)
     needs_curve = True
     uses_request_floors = True
+    # It takes only candidates that raise expected throughput (`sla`), so the depth that
+    # maximises expected throughput and dspark's early stop bound what it can verify.
+    adaptive_depth = True
 
     def __init__(self, min_tokens_per_s: float | np.ndarray | None = None) -> None:
         self.min_tokens_per_s = min_tokens_per_s
@@ -229,6 +240,9 @@ class SlaPolicy(VerifyPolicy):
         if floors is None:
             raise ValueError("sla policy needs min_tokens_per_s (a float or an array [R])")
         return plan_sla(step.confidences, step.sps, floors, base_tokens=step.base_tokens).lengths
+
+    def min_survival(self, sps: SpsFunction, num_requests: int, block: int) -> float:
+        return never_verified_below(sps, num_requests, block)
 
 
 POLICY_TYPES: dict[str, type[VerifyPolicy]] = {

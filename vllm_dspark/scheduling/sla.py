@@ -30,8 +30,11 @@ never reached shows up there as missing its floor if it does.
   bought drafts that cost more than they return exactly when the engine is overloaded.
   (Measured with `vllm bench serve`, SmolLM2 on this CPU, a floor of 8 tokens/s, single
   runs: below plain decoding at 16 and 64 users under either rule, 0.90x / 0.75x before
-  and 0.78x / 0.76x after; what costs sla there is most likely drafting all K positions
-  every step, which only the dspark policies' adaptive depth avoids.)
+  and 0.78x / 0.76x after, while sla still drafted all K positions every step.)
+Since sla takes only throughput-raising candidates either way, the controller drafts for
+it as for dspark: the depth that maximises expected throughput, with dspark's early stop
+(`policies.never_verified_below`). A floor therefore orders the drafts a step has; it
+does not make a step draft deeper than throughput pays for.
 A floor of 0 means no constraint; with all floors 0 the policy equals `dspark`.
 
 Priority. A request that asks for a higher floor than it is predicted to reach is moved
