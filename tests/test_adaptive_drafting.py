@@ -27,15 +27,21 @@ MAX_TOKENS = 24
 # ------------------------------------------------------------ whether and how deep
 
 
-def run_steps(controller: VerificationController, survival: float, steps: int, requests: int = 8) -> list[int]:
-    """Drive the controller as the engine does, drafting what it plans; every draft has
-    confidence `survival` and drafting costs 20 ms per position (5 ms context pass)."""
+def run_steps(controller: VerificationController, survival: float, steps: int, requests: int = 8, depth: int = K,
+              stopped_after: int = K, cut_to: int = K) -> list[int]:
+    """Drive the controller as the engine does, drafting what it plans (from `depth` on);
+    every draft has confidence `survival` and drafting costs 20 ms per position (5 ms
+    context pass). The drafter stops every request early after `stopped_after` positions
+    (confidence 0 in the slots after); the engine cuts the drafts to `cut_to` (the end of
+    max_tokens)."""
     depths = []
-    depth = K
     for _ in range(steps):
         if depth:
             c = np.full((requests, depth), survival)
-            inputs = StepInputs(tuple(map(str, range(requests))), c, np.full(requests, depth), np.zeros(requests, bool))
+            c[:, stopped_after:] = 0.0
+            proposed = np.full(requests, min(depth, cut_to))
+            c[:, proposed[0]:] = 0.0
+            inputs = StepInputs(tuple(map(str, range(requests))), c, proposed, np.zeros(requests, bool))
             verified = controller.decide(inputs).verified
         controller.step_scheduled(0.0, 0)
         controller.observe(np.minimum(verified, 1) + 1 if depth else None)
@@ -77,6 +83,28 @@ def test_always_drafts_in_full_where_it_always_pays(policy: str) -> None:
     flat = SpsCurve(points=[(1, 10.0), (512, 9.9)])
     depths = run_steps(controller_on(flat, policy), survival=0.95, steps=2 * PROBE_INTERVAL)
     assert depths == [K] * len(depths)
+
+
+def test_drafts_the_engine_cut_are_not_lost_survival() -> None:
+    # The first drafting step is the end of a request (its drafts cut to one by max_tokens):
+    # that says nothing about deeper positions, which must still be drafted where they pay.
+    flat = SpsCurve(points=[(1, 10.0), (512, 9.9)])
+    controller = controller_on(flat)
+    first = run_steps(controller, survival=0.95, steps=1, cut_to=1)
+    assert run_steps(controller, survival=0.95, steps=PROBE_INTERVAL, depth=first[-1]) == [K] * PROBE_INTERVAL
+
+
+def test_a_deeper_position_left_low_by_an_early_stop_is_probed_again() -> None:
+    # Under a heavier load the drafter stopped every request after one position (deeper
+    # slots count 0), so one position wins; once drafts survive again, probes one position
+    # deeper than the best bring the depth back to K.
+    flat = SpsCurve(points=[(1, 10.0), (512, 9.9)])
+    controller = controller_on(flat)
+    stopped = run_steps(controller, survival=0.95, steps=PROBE_INTERVAL, stopped_after=1)
+    assert stopped[-1] == 1
+    recovered = run_steps(controller, survival=0.95, steps=10 * PROBE_INTERVAL, depth=stopped[-1])
+    assert recovered[-PROBE_INTERVAL:] == [K] * PROBE_INTERVAL
+    assert max(b - a for a, b in zip(recovered, recovered[1:])) == 1, "a probe goes one position deeper"
 
 
 def test_fixed_and_unadaptive_policies_draft_what_they_verify() -> None:

@@ -24,8 +24,11 @@ throughput R * (1 + a_1 + ... + a_d) / (s T(R + R d) + o + D(R, d)), with a_j th
 recent mean calibrated prefix survival per position, T the profiled step, s and o the scale
 and offset that map it to the measured steps (drafting left out; scheduling/overhead.py),
 and D the drafting time, learned live by least squares on the drafter's own timings, and
-drafts the best d. While d = 0 wins it still drafts in one position every `PROBE_INTERVAL`
-steps, so the survival estimate stays fresh.
+drafts the best d. Until every position has been drafted once it drafts all K. While a
+depth d < K wins, it drafts d + 1 positions once every `PROBE_INTERVAL` steps, so the
+estimate one position deeper stays fresh: an early stop under a heavier load leaves low
+survival there (the rows it stopped count as 0), which would otherwise never be re-measured
+once the load falls.
 
 Exactness: the lengths of a step depend on that step's confidences through the policy
 (non-anticipating, DSPARK.md section 4) and on state learned from earlier steps only.
@@ -63,7 +66,8 @@ logger = logging.getLogger(__name__)
 SAMPLING_MODES = ("greedy", "sampled")
 # Verifications in flight at once (one per scheduled step; several under pipelining).
 MAX_IN_FLIGHT = 16
-# While not drafting, draft one position once every this many steps to re-measure survival.
+# Once every this many steps, draft one position deeper than the best depth (if below K) to
+# re-measure the survival there.
 PROBE_INTERVAL = 16
 # Weight of each drafted step in the moving average of drafting seconds per step.
 DRAFTING_SMOOTHING = 0.1
@@ -195,13 +199,14 @@ class VerificationController:
         # n-gram match lengths.
         self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._pending: deque[_Pending | None] = deque(maxlen=MAX_IN_FLIGHT)
-        # Drafting: its cost model, its recent measured time and the recent mean survival
-        # per position (None until a drafted step was seen).
+        # Drafting: its cost model, its recent measured time, the recent mean survival per
+        # position (None until a drafted step was seen) and which positions it has seen.
         self.drafting_cost = DraftingCost()
         self.drafting_seconds = 0.0
         self._drafting_in_step = 0.0  # drafting measured since the current step started
         self.mean_survival: np.ndarray | None = None
-        self._steps_without_drafts = 0
+        self._survival_seen = np.zeros(self.block, dtype=bool)
+        self._steps_since_probe = 0
 
     # ------------------------------------------------------------ the step
     def step_started(self, now: float) -> None:
@@ -246,7 +251,7 @@ class VerificationController:
         verified = np.minimum(decide_lengths(self.policy, policy_step), step.proposed)
         decision = VerifyDecision(step.req_ids, step.proposed, verified, confidences, step.base_tokens)
         survival = np.cumprod(confidences, axis=1)
-        self._track_survival(survival[~ngram])
+        self._track_survival(survival[~ngram], step.proposed[~ngram])
         self._decision = (decision, survival, raw, step.greedy, matches)
         return decision
 
@@ -306,11 +311,12 @@ class VerificationController:
             self.stats.record_plan(depth)
             return DraftPlan(depth, 0.0)
         floor = self.policy.min_survival(self.policy_curve, num_requests, self.block)
-        if self.policy.adaptive_depth and self.curve is not None and self.mean_survival is not None and num_requests:
-            # A probe drafts one position: enough to see whether first drafts got better.
-            probe = self._steps_without_drafts >= PROBE_INTERVAL
-            depth = min(depth, 1) if probe else self._best_depth(num_requests, depth)
-        self._steps_without_drafts = self._steps_without_drafts + 1 if depth == 0 else 0
+        known = self.mean_survival is not None and bool(self._survival_seen[:depth].all())
+        if self.policy.adaptive_depth and self.curve is not None and known and num_requests:
+            best = self._best_depth(num_requests, depth)
+            probe = best < depth and self._steps_since_probe >= PROBE_INTERVAL
+            self._steps_since_probe = 0 if probe else self._steps_since_probe + 1
+            depth = best + 1 if probe else best
         self.stats.record_plan(depth)
         return DraftPlan(depth, floor if depth else 0.0)
 
@@ -349,17 +355,30 @@ class VerificationController:
         conditional = self.ngram.conditional(proposals.matches, proposals.lengths, greedy)
         return (proposals.lengths > 0) & hybrid.prefer_ngram(conditional, first, drafted_depth, self.mean_survival)
 
-    def _track_survival(self, prefix_survival: np.ndarray) -> None:
-        """Mean calibrated prefix survival per position of the requests drafting now."""
+    def _track_survival(self, prefix_survival: np.ndarray, proposed: np.ndarray) -> None:
+        """Mean calibrated prefix survival per position of the requests drafting now.
+
+        A position averages only the requests with a draft there (`proposed` [R]): drafts
+        the engine cut (the end of max_tokens or of the model length) say nothing about
+        survival, and counting them as 0 would keep the deeper positions from ever being
+        drafted again. A request the drafter stopped early keeps its drafts' slots and
+        counts with 0 there: below what this load would verify. Positions no request
+        reached keep their earlier estimate."""
         if not len(prefix_survival) or not prefix_survival.shape[1]:
             return
-        drafted = prefix_survival.shape[1]  # positions beyond keep their earlier estimate
-        survival = prefix_survival.mean(axis=0)
-        if self.mean_survival is None:
-            self.mean_survival = np.zeros(max(self.block, drafted))
-            self.mean_survival[:drafted] = survival
-        else:
-            self.mean_survival[:drafted] += SURVIVAL_SMOOTHING * (survival - self.mean_survival[:drafted])
+        drafted = prefix_survival.shape[1]
+        present = np.arange(drafted) < np.asarray(proposed)[:, None]
+        counts = present.sum(axis=0)
+        seen = counts > 0
+        survival = np.where(present, prefix_survival, 0.0).sum(axis=0)[seen] / counts[seen]
+        if self.mean_survival is None or len(self.mean_survival) < drafted:
+            known = 0 if self.mean_survival is None else len(self.mean_survival)
+            self.mean_survival = np.r_[self.mean_survival if known else [], np.zeros(max(self.block, drafted) - known)]
+            self._survival_seen = np.r_[self._survival_seen[:known], np.zeros(len(self.mean_survival) - known, bool)]
+        positions = np.flatnonzero(seen)
+        weight = np.where(self._survival_seen[positions], SURVIVAL_SMOOTHING, 1.0)  # a first sight is taken as is
+        self.mean_survival[positions] += weight * (survival - self.mean_survival[positions])
+        self._survival_seen[positions] = True
 
     def engine_idle(self) -> None:
         """No request left: the gap until the next one is not a step."""
