@@ -230,12 +230,14 @@ def plugin_stats(llm) -> dict | None:
         return None
     stats = controller.stats
     return {"steps": sum(stats.draft_depth_counts), "depths": list(stats.draft_depth_counts),
-            "lm_head_rows": stats.lm_head_rows, "drafting_seconds": stats.drafting_seconds}
+            "lm_head_rows": stats.lm_head_rows, "drafting_seconds": stats.drafting_seconds,
+            "step_time_scale": stats.step_time_scale, "step_overhead_ms": stats.step_overhead_ms}
 
 
 def plugin_delta(before: dict | None, after: dict | None) -> dict:
     """Drafting in one concurrency's waves: share of steps that drafted nothing, mean
-    depth, LM-head rows and drafting milliseconds per step."""
+    depth, LM-head rows and drafting milliseconds per step; and the step-time model the
+    controller had learned by the end of them (what its decisions priced steps with)."""
     if before is None or after is None:
         return {}
     steps = max(1, after["steps"] - before["steps"])
@@ -246,6 +248,8 @@ def plugin_delta(before: dict | None, after: dict | None) -> dict:
         "mean_draft_depth": sum(d * n for d, n in enumerate(depths)) / steps,
         "lm_head_rows_per_step": (after["lm_head_rows"] - before["lm_head_rows"]) / steps,
         "drafting_ms_per_step": 1000.0 * (after["drafting_seconds"] - before["drafting_seconds"]) / steps,
+        "step_time_scale": after.get("step_time_scale", 1.0),
+        "step_overhead_ms": after.get("step_overhead_ms", 0.0),
     }
 
 
@@ -292,8 +296,9 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         "one is what drafting and the speculative path's other costs take.",
         "",
         "| configuration | R | system tok/s | per-user tok/s (min-max wave) | vs no-spec | predicted | decode tok/s per user | vs no-spec "
-        "| accepted length (steps with drafts) | verified drafts/step | steps without drafting | mean draft depth | drafting ms/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| accepted length (steps with drafts) | verified drafts/step | steps without drafting | mean draft depth | drafting ms/step "
+        "| learned step model |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     from vllm_dspark.scheduling import SpsCurve
 
@@ -308,11 +313,13 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
             decode_ratio = f"{decode / base['decode_tok_s_per_user']:.2f}x" if base and "decode_tok_s_per_user" in base else "-"
             drafting = (f"{row['steps_without_drafting']:.0%} | {row['mean_draft_depth']:.2f} | {row['drafting_ms_per_step']:.1f}"
                         if "mean_draft_depth" in row else "- | - | -")
+            model = (f"{row['step_time_scale']:.2f} x profile {row['step_overhead_ms']:+.1f} ms"
+                     if "step_time_scale" in row else "-")
             predicted = predicted_speedup(row, curve)
             predicted_text = "-" if predicted is None else f"{predicted:.2f}x"
             lines.append(
                 f"| {name} | {row['concurrency']} | {row['throughput_tok_s']:.1f} | {row['per_user_tok_s']:.2f} "
-                f"({slowest:.2f}-{fastest:.2f}) | {ratio} | {predicted_text} | {decode:.2f} | {decode_ratio} | {row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} | {drafting} |"
+                f"({slowest:.2f}-{fastest:.2f}) | {ratio} | {predicted_text} | {decode:.2f} | {decode_ratio} | {row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} | {drafting} | {model} |"
             )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 

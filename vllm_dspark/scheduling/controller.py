@@ -24,11 +24,15 @@ throughput R * (1 + a_1 + ... + a_d) / (s T(R + R d) + o + D(R, d)), with a_j th
 recent mean calibrated prefix survival per position, T the profiled step, s and o the scale
 and offset that map it to the measured steps (drafting left out; scheduling/overhead.py),
 and D the drafting time, learned live by least squares on the drafter's own timings, and
-drafts the best d. Until every position has been drafted once it drafts all K. While a
-depth d < K wins, it drafts d + 1 positions once every `PROBE_INTERVAL` steps, so the
-estimate one position deeper stays fresh: an early stop under a heavier load leaves low
-survival there (the rows it stopped count as 0), which would otherwise never be re-measured
-once the load falls.
+drafts the best d. Until every position has been drafted once it drafts all K. Once every
+`PROBE_INTERVAL` steps it probes instead, by turns one position deeper than the best d
+(if d < K) and not at all (if d > 0). The deeper probe keeps the survival estimate there
+fresh: an early stop under a heavier load leaves low survival (the rows it stopped count
+as 0), which would otherwise never be re-measured once the load falls. The plain probe
+shows the step-time model what a step without drafts costs: steps that all carry drafts
+have nearly the same profiled size, so the model could only extrapolate to plain steps
+(measured at 4 requests: 48 ms plain steps predicted as 56, and drafting on 99% of the
+steps at 0.87x plain decoding).
 
 Exactness: the lengths of a step depend on that step's confidences through the policy
 (non-anticipating, DSPARK.md section 4) and on state learned from earlier steps only.
@@ -66,8 +70,8 @@ logger = logging.getLogger(__name__)
 SAMPLING_MODES = ("greedy", "sampled")
 # Verifications in flight at once (one per scheduled step; several under pipelining).
 MAX_IN_FLIGHT = 16
-# Once every this many steps, draft one position deeper than the best depth (if below K) to
-# re-measure the survival there.
+# Once every this many steps the drafting depth is probed: one position deeper than the
+# best, or none (by turns; see the module docstring).
 PROBE_INTERVAL = 16
 # Weight of each drafted step in the moving average of drafting seconds per step.
 DRAFTING_SMOOTHING = 0.1
@@ -200,13 +204,16 @@ class VerificationController:
         self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._pending: deque[_Pending | None] = deque(maxlen=MAX_IN_FLIGHT)
         # Drafting: its cost model, its recent measured time, the recent mean survival per
-        # position (None until a drafted step was seen) and which positions it has seen.
+        # position (None until a drafted step was seen) and the drafted step (counted by
+        # `_drafted_steps`) that last measured each position (-inf: none yet).
         self.drafting_cost = DraftingCost()
         self.drafting_seconds = 0.0
         self._drafting_in_step = 0.0  # drafting measured since the current step started
         self.mean_survival: np.ndarray | None = None
-        self._survival_seen = np.zeros(self.block, dtype=bool)
+        self._survival_seen_at = np.full(self.block, -np.inf)
+        self._drafted_steps = 0
         self._steps_since_probe = 0
+        self._probe_deeper = True  # which probe comes next where both apply
 
     # ------------------------------------------------------------ the step
     def step_started(self, now: float) -> None:
@@ -311,14 +318,21 @@ class VerificationController:
             self.stats.record_plan(depth)
             return DraftPlan(depth, 0.0)
         floor = self.policy.min_survival(self.policy_curve, num_requests, self.block)
-        known = self.mean_survival is not None and bool(self._survival_seen[:depth].all())
+        known = self.mean_survival is not None and bool(np.isfinite(self._survival_seen_at[:depth]).all())
         if self.policy.adaptive_depth and self.curve is not None and known and num_requests:
-            best = self._best_depth(num_requests, depth)
-            probe = best < depth and self._steps_since_probe >= PROBE_INTERVAL
-            self._steps_since_probe = 0 if probe else self._steps_since_probe + 1
-            depth = best + 1 if probe else best
+            depth = self._probed_depth(self._best_depth(num_requests, depth), depth)
         self.stats.record_plan(depth)
         return DraftPlan(depth, floor if depth else 0.0)
+
+    def _probed_depth(self, best: int, max_depth: int) -> int:
+        """`best`, or a probe of it once every `PROBE_INTERVAL` steps (module docstring)."""
+        self._steps_since_probe += 1
+        if self._steps_since_probe < PROBE_INTERVAL or max_depth == 0:
+            return best
+        self._steps_since_probe = 0
+        deeper = best < max_depth and (self._probe_deeper or best == 0)
+        self._probe_deeper = not deeper
+        return best + 1 if deeper else 0
 
     def _best_depth(self, num_requests: int, max_depth: int) -> int:
         """argmax over d of predicted tokens per second when drafting d positions."""
@@ -363,7 +377,9 @@ class VerificationController:
         survival, and counting them as 0 would keep the deeper positions from ever being
         drafted again. A request the drafter stopped early keeps its drafts' slots and
         counts with 0 there: below what this load would verify. Positions no request
-        reached keep their earlier estimate."""
+        reached keep their earlier estimate; a position first measured, or measured again
+        after `PROBE_INTERVAL` drafted steps without it (a probe), takes the new value as
+        is, since the old one is stale."""
         if not len(prefix_survival) or not prefix_survival.shape[1]:
             return
         drafted = prefix_survival.shape[1]
@@ -374,11 +390,13 @@ class VerificationController:
         if self.mean_survival is None or len(self.mean_survival) < drafted:
             known = 0 if self.mean_survival is None else len(self.mean_survival)
             self.mean_survival = np.r_[self.mean_survival if known else [], np.zeros(max(self.block, drafted) - known)]
-            self._survival_seen = np.r_[self._survival_seen[:known], np.zeros(len(self.mean_survival) - known, bool)]
+            self._survival_seen_at = np.r_[self._survival_seen_at[:known], np.full(len(self.mean_survival) - known, -np.inf)]
+        self._drafted_steps += 1
         positions = np.flatnonzero(seen)
-        weight = np.where(self._survival_seen[positions], SURVIVAL_SMOOTHING, 1.0)  # a first sight is taken as is
+        stale = self._drafted_steps - self._survival_seen_at[positions] > PROBE_INTERVAL
+        weight = np.where(stale, 1.0, SURVIVAL_SMOOTHING)
         self.mean_survival[positions] += weight * (survival - self.mean_survival[positions])
-        self._survival_seen[positions] = True
+        self._survival_seen_at[positions] = self._drafted_steps
 
     def engine_idle(self) -> None:
         """No request left: the gap until the next one is not a step."""
