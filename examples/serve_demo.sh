@@ -28,7 +28,7 @@ LOG="${TMPDIR:-/tmp}/vllm-dspark-demo.log"
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 echo "server starting (log: $LOG) ..."
-if ! $PY examples/openai_client.py --port "$PORT" --wait 300; then
+if ! $PY examples/openai_client.py --port "$PORT" --wait 600; then
   tail -n 40 "$LOG"
   exit 1
 fi

@@ -27,13 +27,18 @@ MAX_TOKENS = 24
 # ------------------------------------------------------------ whether and how deep
 
 
+def linear_drafting(depth: int) -> float:
+    """5 ms context pass, 20 ms per drafted position."""
+    return 0.005 + 0.02 * depth
+
+
 def run_steps(controller: VerificationController, survival: float, steps: int, requests: int = 8, depth: int = K,
-              stopped_after: int = K, cut_to: int = K) -> list[int]:
+              stopped_after: int = K, cut_to: int = K, drafting_seconds=linear_drafting) -> list[int]:
     """Drive the controller as the engine does, drafting what it plans (from `depth` on);
-    every draft has confidence `survival` and drafting costs 20 ms per position (5 ms
-    context pass). The drafter stops every request early after `stopped_after` positions
-    (confidence 0 in the slots after); the engine cuts the drafts to `cut_to` (the end of
-    max_tokens)."""
+    every draft has confidence `survival` and drafting a depth costs
+    `drafting_seconds(depth)`. The drafter stops every request early after `stopped_after`
+    positions (confidence 0 in the slots after); the engine cuts the drafts to `cut_to`
+    (the end of max_tokens)."""
     depths = []
     for _ in range(steps):
         if depth:
@@ -45,7 +50,7 @@ def run_steps(controller: VerificationController, survival: float, steps: int, r
             verified = controller.decide(inputs).verified
         controller.step_scheduled(0.0, 0)
         controller.observe(np.minimum(verified, 1) + 1 if depth else None)
-        controller.observe_drafting(requests, depth, requests * depth, 0.005 + 0.02 * depth)
+        controller.observe_drafting(requests, depth, requests * depth, drafting_seconds(depth))
         depth = controller.plan_drafting(requests).depth
         depths.append(depth)
     return depths
@@ -109,6 +114,30 @@ def test_a_deeper_position_left_low_by_an_early_stop_is_probed_again() -> None:
     assert recovered[-PROBE_INTERVAL:].count(K) >= PROBE_INTERVAL - 1  # the rest: a plain probe
     drafted = [depth for depth in recovered if depth]  # without the plain probes
     assert max(b - a for a, b in zip(drafted, drafted[1:])) == 1, "a deeper probe goes one position deeper"
+
+
+def test_drafting_flat_in_depth_is_drafted_as_deep_as_pays() -> None:
+    """One request on a CPU: the context pass costs 1 ms, the drafter's forward pass 14 ms
+    more once it runs at all, whatever the depth. The controller must settle on the depth
+    that truly pays; a cost model linear in depth (fitted to the same timings) spreads the
+    fixed 14 ms over the positions and drafts shallower."""
+    curve = SpsCurve(points=[(b, 1.0 / (0.044 + 0.006 * b)) for b in (1, 2, 3, 4, 5, 8, 64)])
+    def flat(depth: int) -> float:
+        return 0.001 + 0.014 * (depth > 0)
+    survival = 0.6
+    prefix = np.cumprod(np.full(K, survival))
+    depths = np.arange(K + 1)
+    tokens = 1.0 + np.r_[0.0, np.cumsum(prefix)]
+    def best(drafting: np.ndarray) -> int:
+        return int(np.argmax(tokens / (curve.step_time(1 + depths) + drafting)))
+    truth = best(np.array([flat(d) for d in depths]))
+    drafted = run_steps(controller_on(curve), survival=survival, steps=20 * PROBE_INTERVAL, requests=1,
+                        drafting_seconds=flat)
+    settled = drafted[-8 * PROBE_INTERVAL:]
+    assert settled.count(truth) >= len(settled) - 8, settled
+    # The case tells the two models apart: a line through the same timings picks another depth.
+    slope, intercept = np.polyfit(drafted, [flat(d) for d in drafted], 1)
+    assert best(intercept + slope * depths) < truth
 
 
 def test_fixed_and_unadaptive_policies_draft_what_they_verify() -> None:
