@@ -3,6 +3,8 @@
 # Every stage skips what is already done, so a session that stops can rerun this script.
 #   STEPS   training steps of both drafters (one schedule; sessions continue with --resume)
 #   AB_AT   the step at which the warm-start A/B is decided (both arms are also reported at step 200)
+#   PRECISION  bf16 (autocast) where the CPU multiplies bf16 natively, else fp32 (train refuses
+#              bf16 on a CPU without AVX512-BF16 or AMX: emulated, it is slower than fp32)
 # Usage: bash examples/drafters/retrain.sh [features|ab|pair|calibrate|acceptance|all]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,12 +14,13 @@ STEPS=${STEPS:-3000}
 AB_AT=${AB_AT:-1000}
 VOCAB=${VOCAB:-4096}
 RANK=${RANK:-24}
+PRECISION=${PRECISION:-$(grep -qE "avx512_bf16|amx_bf16" /proc/cpuinfo && echo bf16 || echo fp32)}
 CLI=.venv/bin/vllm-dspark
 CORPUS=examples/drafters/corpus/smollm2-generated.jsonl.xz
 F=runs/features2
 COMMON=(--target "$T" --features $F/train --heldout $F/heldout --heldout-anchors 16 --steps "$STEPS"
         --lr 6e-4 --warmup-frac 0.04 --batch-seqs 4 --anchors-per-seq 32 --seed 0 --save-every 100
-        --save-dtype bfloat16 --precision bf16)
+        --save-dtype bfloat16 --precision "$PRECISION")
 stage=${1:-all}
 mkdir -p logs runs
 
