@@ -300,8 +300,10 @@ def test_dspark_async_admission_runs_through_the_kernel_entry_point(tiny_target,
 
 def test_waiting_prompts_count_in_the_pass_size(tiny_target, fitted_drafter):
     """With two sequence slots for five requests, a freed slot admits a waiting prompt into
-    the same pass as the verification tokens; the policy must see those tokens in B."""
-    options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE, **DRAFTER_ONLY}}
+    the same pass as the verification tokens; the policy must see those tokens in B.
+    Every step drafts: whether a step drafts at all is the throughput decision tested in
+    test_adaptive_drafting.py, and a step that skips it has no decision to look at."""
+    options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE, **DRAFTER_ONLY, "adaptive_drafting": False}}
     llm = make_llm(tiny_target, spec_config(fitted_drafter), options, max_num_seqs=2)
     decisions = record_decisions(llm)
     generate_ids(llm, PROMPTS, MAX_TOKENS)
