@@ -14,8 +14,9 @@ STEPS=${STEPS:-3000}
 AB_AT=${AB_AT:-1000}
 VOCAB=${VOCAB:-4096}
 RANK=${RANK:-24}
-PRECISION=${PRECISION:-$(grep -qE "avx512_bf16|amx_bf16" /proc/cpuinfo && echo bf16 || echo fp32)}
 CLI=.venv/bin/vllm-dspark
+PRECISION=${PRECISION:-$(.venv/bin/python -c "from vllm_dspark.training.distributed import cpu_has_bf16_matmul as native
+print('bf16' if native() else 'fp32')")}
 CORPUS=examples/drafters/corpus/smollm2-generated.jsonl.xz
 F=runs/features2
 COMMON=(--target "$T" --features $F/train --heldout $F/heldout --heldout-anchors 16 --steps "$STEPS"

@@ -109,15 +109,15 @@ class DraftingCost:
         self.samples = 0
 
     @staticmethod
-    def features(num_requests: int, depths: np.ndarray) -> np.ndarray:
-        """[len(depths), 4] regressors for every request drafting each depth in full."""
+    def features(num_requests: int, depths: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """[len(depths), 4] regressors; `rows` defaults to every request drafting each depth in full."""
         depths = np.asarray(depths, dtype=np.float64)
         requests = np.full_like(depths, float(num_requests))
-        return np.stack([requests, (depths > 0).astype(np.float64), requests * depths, requests * depths], axis=-1)
+        rows = requests * depths if rows is None else np.asarray(rows, dtype=np.float64)
+        return np.stack([requests, (depths > 0).astype(np.float64), requests * depths, rows], axis=-1)
 
     def observe(self, num_requests: int, depth: int, rows: int, seconds: float) -> None:
-        x = self.features(num_requests, np.array([depth]))[0]
-        x[3] = rows
+        x = self.features(num_requests, np.array([depth]), np.array([rows]))[0]
         px = self.covariance @ x
         gain = px / (self.forgetting + x @ px)
         self.weights += gain * (seconds - x @ self.weights)
