@@ -17,7 +17,7 @@ from vllm_dspark.model.drafter import DSparkDrafter, target_ids_of
 from vllm_dspark.model.heads import sequential_draft
 from vllm_dspark.model.reduce_vocab import choose_draft_vocab, coverage, reduce_drafter
 from vllm_dspark.scheduling import SpsCurve
-from vllm_dspark.scheduling.controller import PROBE_INTERVAL, StepInputs, VerificationController
+from vllm_dspark.scheduling.controller import MAX_PROBE_INTERVAL, PROBE_INTERVAL, StepInputs, VerificationController
 
 K = 4
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300, 11, 12, 13, 14], [42, 17, 99], [7, 300, 2, 9, 9, 9, 1, 4]]
@@ -85,6 +85,23 @@ def test_stops_drafting_where_it_never_pays_and_probes_now_and_then(policy: str)
     assert settled.count(0) > 0.85 * len(settled)
     assert set(settled) <= {0, 1}, "probes draft a single position"
     assert 1 in settled, "a probe now and then keeps the survival estimate fresh"
+
+
+def test_probes_back_off_while_drafting_loses_and_drafting_resumes_once_it_pays() -> None:
+    # One position pays on this curve if drafts survive (8 x 1.95 tokens at 15 steps/s plus
+    # 25 ms of drafting beat 8 at 18), not while they rarely do.
+    curve = SpsCurve(points=[(1, 20.0), (8, 18.0), (16, 15.0), (64, 5.0)])
+    controller = controller_on(curve)
+    losing = run_steps(controller, survival=0.05, steps=8 * MAX_PROBE_INTERVAL)
+    probes = [step for step, depth in enumerate(losing) if depth > 0 and step > K]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    doubling = [min(PROBE_INTERVAL * 2 ** (i + 1), MAX_PROBE_INTERVAL) for i in range(len(gaps))]
+    assert gaps == doubling and gaps[-1] == MAX_PROBE_INTERVAL
+    paying = run_steps(controller, survival=0.95, steps=2 * MAX_PROBE_INTERVAL, depth=losing[-1])
+    resumed = paying.index(1)
+    assert resumed < MAX_PROBE_INTERVAL, "the next probe finds drafting paying"
+    later = paying[resumed + 1:]
+    assert later.count(0) <= len(later) // PROBE_INTERVAL + 1, "back to the base probe rate"
 
 
 @pytest.mark.parametrize("policy", ADAPTIVE_POLICIES)

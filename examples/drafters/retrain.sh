@@ -5,12 +5,16 @@
 #   AB_AT   the step at which the warm-start A/B is decided (both arms are also reported at step 200)
 #   PRECISION  bf16 (autocast) where the CPU multiplies bf16 natively, else fp32 (train refuses
 #              bf16 on a CPU without AVX512-BF16 or AMX: emulated, it is slower than fp32)
-# Usage: bash examples/drafters/retrain.sh [features|ab|pair|calibrate|acceptance|all]
+#   MODE  the pair calibrate takes: the A/B's winner by default; "continued" after `continue`
+# Usage: bash examples/drafters/retrain.sh [features|ab|pair|continue|calibrate|acceptance|all]
+#   continue: a warm restart of the committed pair (its weights, a new schedule of STEPS) on
+#             the features of the whole corpus; then `MODE=continued ... calibrate`
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source examples/env.sh
 T=$VLLM_DSPARK_CACHE/targets/SmolLM2-135M-Instruct
 STEPS=${STEPS:-3000}
+LR=${LR:-6e-4}
 AB_AT=${AB_AT:-1000}
 VOCAB=${VOCAB:-4096}
 RANK=${RANK:-24}
@@ -20,7 +24,7 @@ print('bf16' if native() else 'fp32')")}
 CORPUS=examples/drafters/corpus/smollm2-generated.jsonl.xz
 F=runs/features2
 COMMON=(--target "$T" --features $F/train --heldout $F/heldout --heldout-anchors 16 --steps "$STEPS"
-        --lr 6e-4 --warmup-frac 0.04 --batch-seqs 4 --anchors-per-seq 32 --seed 0 --save-every 100
+        --lr "$LR" --warmup-frac 0.04 --batch-seqs 4 --anchors-per-seq 32 --seed 0 --save-every 100
         --save-dtype bfloat16 --precision "$PRECISION")
 stage=${1:-all}
 mkdir -p logs runs
@@ -38,13 +42,13 @@ init() {  # init NAME MARKOV_RANK MODE(random|warm)
     --markov-rank "$2" --markov-head-type vanilla --seed 0 --draft-vocab-size "$VOCAB" --corpus $CORPUS "${extra[@]}"
 }
 
-train() {  # train NAME MODE [extra args]: one thread, resumes a stopped run
-  local name=$1 mode=$2 out=runs/$1-$2; shift 2
+train() {  # train NAME MODE INIT [extra args]: one thread from drafter INIT, resumes a stopped run
+  local name=$1 mode=$2 out=runs/$1-$2 init=$3; shift 3
   local resume=()
   [ -f $out/checkpoint/trainer_state.pt ] && resume=(--resume)
   [ -f $out/model.safetensors ] && return 0
   local init_args=()
-  [ ${#resume[@]} -eq 0 ] && init_args=(--init runs/init/$name-$mode)
+  [ ${#resume[@]} -eq 0 ] && init_args=(--init "$init")
   OMP_NUM_THREADS=1 $CLI train "${COMMON[@]}" --out $out "${init_args[@]}" "${resume[@]}" "$@" > logs/train-$name-$mode.log 2>&1
 }
 
@@ -57,7 +61,7 @@ ab() {  # warm start against random init, DSpark, equal steps of the same schedu
   init dspark "$RANK" random; init dspark "$RANK" warm
   for mode in random warm; do
     [ -f runs/dspark-$mode/heldout_log.jsonl ] && grep -q "\"step\": $AB_AT," runs/dspark-$mode/heldout_log.jsonl && continue
-    train dspark $mode --stop-at "$AB_AT" &
+    train dspark $mode runs/init/dspark-$mode --stop-at "$AB_AT" &
   done
   wait
   for step in 200 "$AB_AT"; do
@@ -74,14 +78,27 @@ pair() {  # the winner's DSpark continues its schedule; DFlash (markov_rank 0) t
   local mode; mode=$(winner)
   echo "init: $mode"
   init dflash 0 "$mode"
-  train dspark "$mode" & train dflash "$mode" & wait
+  train dspark "$mode" runs/init/dspark-$mode & train dflash "$mode" runs/init/dflash-$mode & wait
 }
 
-calibrate() {
-  local mode; mode=$(winner)
+continue_pair() {  # the committed pair's weights, a new schedule on the current features
+  local name
   for name in dspark dflash; do
-    local out=examples/drafters/smollm2-$name-b7
+    train $name continued examples/drafters/smollm2-$name-b7 &
+  done
+  wait
+}
+
+calibrate() {  # a continued pair keeps the logs of the schedules before it under previous/
+  local mode=${MODE:-$(winner)}
+  for name in dspark dflash; do
+    local out=examples/drafters/smollm2-$name-b7 keep=runs/previous-logs/$name
+    if [ "$mode" = continued ] && [ ! -d $keep ]; then
+      mkdir -p $keep && cp $out/train_log.jsonl $out/heldout_log.jsonl $keep/
+      [ -d $out/previous ] && cp -r $out/previous $keep/
+    fi
     rm -rf $out && mkdir -p $out
+    [ "$mode" = continued ] && cp -r $keep $out/previous
     $CLI calibrate --target "$T" --drafter runs/$name-$mode --features $F/heldout --out $out --png $out/reliability.png
     cp runs/$name-$mode/train_log.jsonl runs/$name-$mode/heldout_log.jsonl $out/
   done
@@ -95,6 +112,7 @@ case $stage in
   features) features ;;
   ab) ab ;;
   pair) pair ;;
+  continue) continue_pair ;;
   calibrate) calibrate ;;
   acceptance) acceptance ;;
   all) features; ab; pair; calibrate; acceptance ;;

@@ -26,8 +26,13 @@ and offset that map it to the measured steps (drafting left out; scheduling/over
 and D the drafting time, learned live by least squares on the drafter's own timings, and
 drafts the best d. Until every position has been drafted once it drafts all K. Once every
 `PROBE_INTERVAL` steps it probes instead, by turns one position deeper than the best d
-(if d < K) and not at all (if d > 0). The deeper probe keeps the survival estimate there
-fresh: an early stop under a heavier load leaves low survival (the rows it stopped count
+(if d < K) and not at all (if d > 0); while the best d stays 0 the interval doubles after
+each probe, up to `MAX_PROBE_INTERVAL`. At 16 requests on a CPU, where plain decoding
+won, the probes drafted on 6% of the steps (every 16th), each such step about 1.4x a
+plain one (fixed k = 1 in `benchmarks/results/drafting_breakdown.md`); the backoff takes
+that below 1% after a few hundred steps, and a change of load needs no probe (the best d
+is recomputed every step from the models). The deeper probe keeps the survival estimate
+there fresh: an early stop under a heavier load leaves low survival (the rows it stopped count
 as 0), which would otherwise never be re-measured once the load falls. The plain probe
 shows the step-time model what a step without drafts costs: steps that all carry drafts
 have nearly the same profiled size, so the model could only extrapolate to plain steps
@@ -73,6 +78,9 @@ MAX_IN_FLIGHT = 16
 # Once every this many steps the drafting depth is probed: one position deeper than the
 # best, or none (by turns; see the module docstring).
 PROBE_INTERVAL = 16
+# While not drafting stays the best, each deeper probe doubles the wait for the next one,
+# up to this many steps (a probe that does not pay costs most under the heaviest load).
+MAX_PROBE_INTERVAL = 128
 # Weight of each drafted step in the moving average of drafting seconds per step.
 DRAFTING_SMOOTHING = 0.1
 # Weight of each drafted step in the per-position survival estimate.
@@ -221,15 +229,16 @@ class VerificationController:
         self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._pending: deque[_Pending | None] = deque(maxlen=MAX_IN_FLIGHT)
         # Drafting: its cost model, its recent measured time, the recent mean survival per
-        # position (None until a drafted step was seen) and the drafted step (counted by
-        # `_drafted_steps`) that last measured each position (-inf: none yet).
+        # position (None until a drafted step was seen) and the step (counted by
+        # `_planned_steps`) that last measured each position (-inf: none yet).
         self.drafting_cost = DraftingCost()
         self.drafting_seconds = 0.0
         self._drafting_in_step = 0.0  # drafting measured since the current step started
         self.mean_survival: np.ndarray | None = None
         self._survival_seen_at = np.full(self.block, -np.inf)
-        self._drafted_steps = 0
+        self._planned_steps = 0
         self._steps_since_probe = 0
+        self._probe_interval = PROBE_INTERVAL  # steps between probes (backs off while d = 0)
         self._probe_deeper = True  # which probe comes next where both apply
 
     # ------------------------------------------------------------ the step
@@ -330,6 +339,7 @@ class VerificationController:
     def plan_drafting(self, num_requests: int) -> DraftPlan:
         """How deep the next step drafts for `num_requests` requests, from past steps only
         (the drafts it plans do not exist yet, so this cannot anticipate them)."""
+        self._planned_steps += 1
         depth = self.policy.max_draft_depth(self.block)
         if not self.options.adaptive_drafting:
             self.stats.record_plan(depth)
@@ -342,11 +352,16 @@ class VerificationController:
         return DraftPlan(depth, floor if depth else 0.0)
 
     def _probed_depth(self, best: int, max_depth: int) -> int:
-        """`best`, or a probe of it once every `PROBE_INTERVAL` steps (module docstring)."""
+        """`best`, or a probe of it once every `PROBE_INTERVAL` steps, less often while
+        the best is not to draft (module docstring)."""
         self._steps_since_probe += 1
-        if self._steps_since_probe < PROBE_INTERVAL or max_depth == 0:
+        if best > 0:
+            self._probe_interval = PROBE_INTERVAL
+        if self._steps_since_probe < self._probe_interval or max_depth == 0:
             return best
         self._steps_since_probe = 0
+        if best == 0:
+            self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
         deeper = best < max_depth and (self._probe_deeper or best == 0)
         self._probe_deeper = not deeper
         return best + 1 if deeper else 0
@@ -395,8 +410,10 @@ class VerificationController:
         drafted again. A request the drafter stopped early keeps its drafts' slots and
         counts with 0 there: below what this load would verify. Positions no request
         reached keep their earlier estimate; a position first measured, or measured again
-        after `PROBE_INTERVAL` drafted steps without it (a probe), takes the new value as
-        is, since the old one is stale."""
+        after `PROBE_INTERVAL` steps without it (a probe), takes the new value as is, since
+        the old one is stale. Steps, not drafted steps: while not drafting, probes come
+        `PROBE_INTERVAL` or more steps apart and each replaces the estimate, so one probe
+        that finds the drafts surviving again is enough to resume drafting."""
         if not len(prefix_survival) or not prefix_survival.shape[1]:
             return
         drafted = prefix_survival.shape[1]
@@ -408,12 +425,11 @@ class VerificationController:
             known = 0 if self.mean_survival is None else len(self.mean_survival)
             self.mean_survival = np.r_[self.mean_survival if known else [], np.zeros(max(self.block, drafted) - known)]
             self._survival_seen_at = np.r_[self._survival_seen_at[:known], np.full(len(self.mean_survival) - known, -np.inf)]
-        self._drafted_steps += 1
         positions = np.flatnonzero(seen)
-        stale = self._drafted_steps - self._survival_seen_at[positions] > PROBE_INTERVAL
+        stale = self._planned_steps - self._survival_seen_at[positions] > PROBE_INTERVAL
         weight = np.where(stale, 1.0, SURVIVAL_SMOOTHING)
         self.mean_survival[positions] += weight * (survival - self.mean_survival[positions])
-        self._survival_seen_at[positions] = self._drafted_steps
+        self._survival_seen_at[positions] = self._planned_steps
 
     def engine_idle(self) -> None:
         """No request left: the gap until the next one is not a step."""
