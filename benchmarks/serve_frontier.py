@@ -90,6 +90,7 @@ def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str 
         f"fixed-k{k}": dspark(policy="fixed"),
         "dspark": dspark(policy="dspark", **curve),
         "dspark, drafting all K": dspark(policy="dspark", **curve, adaptive_drafting=False),
+        "dspark, no realized-speed check": dspark(policy="dspark", **curve, check_realized_speed=False),
         "dspark_async": dspark(policy="dspark_async", **curve),
         "dspark + n-gram": dspark(policy="dspark", **curve, hybrid_ngram=True),
         "sla, 8 tok/s floor": dspark(policy="sla", **curve, min_tokens_per_s=8.0),
@@ -231,7 +232,8 @@ def plugin_stats(llm) -> dict | None:
     stats = controller.stats
     return {"steps": sum(stats.draft_depth_counts), "depths": list(stats.draft_depth_counts),
             "lm_head_rows": stats.lm_head_rows, "drafting_seconds": stats.drafting_seconds,
-            "step_time_scale": stats.step_time_scale, "step_overhead_ms": stats.step_overhead_ms}
+            "step_time_scale": stats.step_time_scale, "step_overhead_ms": stats.step_overhead_ms,
+            "vetoed_steps": stats.vetoed_steps}
 
 
 def plugin_delta(before: dict | None, after: dict | None) -> dict:
@@ -245,6 +247,7 @@ def plugin_delta(before: dict | None, after: dict | None) -> dict:
     return {
         "engine_steps": steps,
         "steps_without_drafting": depths[0] / steps if depths else 0.0,
+        "steps_vetoed": (after.get("vetoed_steps", 0) - before.get("vetoed_steps", 0)) / steps,
         "mean_draft_depth": sum(d * n for d, n in enumerate(depths)) / steps,
         "lm_head_rows_per_step": (after["lm_head_rows"] - before["lm_head_rows"]) / steps,
         "drafting_ms_per_step": 1000.0 * (after["drafting_seconds"] - before["drafting_seconds"]) / steps,
@@ -296,7 +299,8 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         "one is what drafting and the speculative path's other costs take.",
         "",
         "| configuration | R | system tok/s | per-user tok/s (min-max wave) | vs no-spec | predicted | decode tok/s per user | vs no-spec "
-        "| accepted length (steps with drafts) | verified drafts/step | steps without drafting | mean draft depth | drafting ms/step "
+        "| accepted length (steps with drafts) | verified drafts/step | steps without drafting (by the measured check) "
+        "| mean draft depth | drafting ms/step "
         "| learned step model |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -311,7 +315,8 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
             ratio = f"{row['per_user_tok_s'] / base['per_user_tok_s']:.2f}x" if base else "-"
             decode = row.get("decode_tok_s_per_user", float("nan"))
             decode_ratio = f"{decode / base['decode_tok_s_per_user']:.2f}x" if base and "decode_tok_s_per_user" in base else "-"
-            drafting = (f"{row['steps_without_drafting']:.0%} | {row['mean_draft_depth']:.2f} | {row['drafting_ms_per_step']:.1f}"
+            drafting = (f"{row['steps_without_drafting']:.0%} ({row.get('steps_vetoed', 0.0):.0%}) | {row['mean_draft_depth']:.2f} "
+                        f"| {row['drafting_ms_per_step']:.1f}"
                         if "mean_draft_depth" in row else "- | - | -")
             model = (f"{row['step_time_scale']:.2f} x profile {row['step_overhead_ms']:+.1f} ms"
                      if "step_time_scale" in row else "-")

@@ -115,11 +115,14 @@ def test_a_slower_engine_is_not_a_cheaper_token():
     assert as_scale.sum() < as_offset.sum()
 
 
-def serve(controller: VerificationController, step_time, requests: int, steps: int, survival: float) -> list[int]:
+def serve(controller: VerificationController, step_time, requests: int, steps: int, survival: float,
+          verifying_extra=lambda step: 0.0) -> list[int]:
     """Drive the controller as the engine does on a clock: each step takes
-    step_time(tokens in the pass) plus its drafting (1 ms per request and position)."""
+    step_time(tokens in the pass) plus its drafting (1 ms per request and position), plus
+    `verifying_extra(step)` seconds when it verifies drafts (a cost no profile shows). Each
+    verifying request accepts one draft."""
     now, depth, depths = 0.0, 7, []
-    for _ in range(steps):
+    for step in range(steps):
         controller.step_started(now)
         verified = np.zeros(requests, dtype=np.int64)
         if depth:
@@ -127,13 +130,13 @@ def serve(controller: VerificationController, step_time, requests: int, steps: i
             inputs = StepInputs(tuple(map(str, range(requests))), c, np.full(requests, depth), np.zeros(requests, bool))
             verified = controller.decide(inputs).verified
         tokens = requests + int(verified.sum())
-        controller.step_scheduled(now, tokens)
+        controller.step_scheduled(now, tokens, num_requests=requests)
         controller.observe(np.minimum(verified, 1) + 1 if depth else None)
         depth = controller.plan_drafting(requests).depth
         drafting = 0.001 * requests * depth
         if depth:
             controller.observe_drafting(requests, depth, requests * depth, drafting)
-        now += step_time(tokens) + drafting
+        now += step_time(tokens) + drafting + (verifying_extra(step) if verified.any() else 0.0)
         depths.append(depth)
     return depths
 

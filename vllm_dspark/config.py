@@ -207,6 +207,10 @@ class PluginOptions(BaseModel):
     # context (prompt lookup); the scheduler takes whichever proposal expects more accepted
     # tokens and ranks both sources under one budget (scheduling/hybrid.py).
     hybrid_ngram: bool = True
+    # With adaptive drafting: stop speculating at a load where speculative steps have
+    # measurably realized less per-request speed than plain steps there, whatever the
+    # model predicts (probes go on; scheduling/realized.py).
+    check_realized_speed: bool = True
     log_interval_s: float = Field(default=10.0, gt=0)
 
     @model_validator(mode="after")

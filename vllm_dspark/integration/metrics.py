@@ -54,6 +54,8 @@ def _engine_families(engine: int, stats: DSparkStats) -> list:
         ("invalid_confidences", "NaN or out-of-range confidences replaced by 0", stats.invalid_confidences),
         ("lm_head_rows", "(request, position) rows of the drafter's LM head computed", stats.lm_head_rows),
         ("drafting_seconds", "Seconds the drafter spent proposing", stats.drafting_seconds),
+        ("vetoed_steps", "Steps not speculating because speculative steps at that load measured slower than plain ones",
+         stats.vetoed_steps),
     ]:
         family = CounterMetricFamily(f"vllm_dspark_{name}", doc, labels=labels)
         family.add_metric(values, value)

@@ -144,7 +144,9 @@ class DSparkScheduler(Scheduler):
         scheduled = {req_id: len(ids) for req_id, ids in output.scheduled_spec_decode_tokens.items()}
         # Tokens beyond one per running request and its drafts are prompt tokens (prefill).
         prefill = output.total_num_scheduled_tokens - len(output.num_scheduled_tokens) - sum(scheduled.values())
-        self.controller.step_scheduled(started, output.total_num_scheduled_tokens, scheduled, max(0, prefill))
+        self.controller.step_scheduled(
+            started, output.total_num_scheduled_tokens, scheduled, max(0, prefill), len(output.num_scheduled_tokens)
+        )
         setattr(output, POINT_MASS_FIELD, frozenset(r for r in scheduled if r in self._ngram_matches))
         # How the worker drafts after this step (vLLM's dynamic speculation field).
         plan = self.controller.plan_drafting(len(output.num_scheduled_tokens))

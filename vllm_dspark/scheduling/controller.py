@@ -39,6 +39,11 @@ have nearly the same profiled size, so the model could only extrapolate to plain
 (measured at 4 requests: 48 ms plain steps predicted as 56, and drafting on 99% of the
 steps at 0.87x plain decoding).
 
+The model is checked against what speculating realizes (`check_realized_speed`,
+scheduling/realized.py): at a load where recent speculative steps measured less
+per-request speed than plain steps there, the controller neither drafts nor verifies
+until its probes (which go on, with the same backoff) measure otherwise.
+
 Exactness: the lengths of a step depend on that step's confidences through the policy
 (non-anticipating, DSPARK.md section 4) and on state learned from earlier steps only.
 """
@@ -54,6 +59,7 @@ import numpy as np
 from vllm_dspark.config import PluginOptions
 from vllm_dspark.scheduling import hybrid
 from vllm_dspark.scheduling.overhead import StepTimeModel, applied_model
+from vllm_dspark.scheduling.realized import RealizedSpeed, StepRecord, load_bucket
 from vllm_dspark.scheduling.policies import (
     Admission,
     FixedPolicy,
@@ -174,6 +180,7 @@ class _Pending:
     verified: np.ndarray  # [R] as scheduled
     predicted: np.ndarray  # [R] expected accepted drafts (sum of calibrated survival)
     ngram_matches: np.ndarray  # [R] as in StepInputs (0: a drafter proposal)
+    record: StepRecord | None  # the step for the realized-speed check (None: not timed)
 
 
 def _flat_curve(batch_tokens: np.ndarray) -> np.ndarray:
@@ -222,8 +229,17 @@ class VerificationController:
         )
         self.ngram = hybrid.NgramConfidence(self.block) if options.hybrid_ngram and self.block else None
         self.stats = DSparkStats(policy=self.policy.name)
-        # (start time, tokens in the pass) of the decode step in flight; None: not timed
-        self._previous_step: tuple[float, int] | None = None
+        # (start time, tokens in the pass, its record for the realized-speed check) of the
+        # decode step in flight; None: not timed
+        self._previous_step: tuple[float, int, StepRecord | None] | None = None
+        # The measured check on speculating (None: off, or steps cannot be timed), the
+        # loads it currently overrules and whether it blocks the next step's verification.
+        self.realized = (
+            RealizedSpeed() if options.check_realized_speed and options.adaptive_drafting and can_time_steps
+            and curve is not None else None
+        )
+        self._vetoed_loads: set[int] = set()
+        self._verification_vetoed = False
         # This step's decision with its prefix survival, raw confidences, greedy mask and
         # n-gram match lengths.
         self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -234,6 +250,7 @@ class VerificationController:
         self.drafting_cost = DraftingCost()
         self.drafting_seconds = 0.0
         self._drafting_in_step = 0.0  # drafting measured since the current step started
+        self._drafted_in_step = False  # a drafter pass (depth > 0) ran since then
         self.mean_survival: np.ndarray | None = None
         self._survival_seen_at = np.full(self.block, -np.inf)
         self._planned_steps = 0
@@ -247,10 +264,16 @@ class VerificationController:
         execute -> update loop); less the drafting measured in it, it is compared with the
         profile at that pass size."""
         drafting, self._drafting_in_step = self._drafting_in_step, 0.0
-        if self._previous_step is None or not self.learns_step_time:
+        drafted, self._drafted_in_step = self._drafted_in_step, False
+        if self._previous_step is None:
+            return
+        started, tokens, record = self._previous_step
+        if record is not None and self.realized is not None:
+            record.seconds, record.drafting_s, record.drafted = now - started, drafting, drafted
+            self.realized.add(record)
+        if not self.learns_step_time:
             return
         assert self.curve is not None
-        started, tokens = self._previous_step
         if not self.step_time.observe(now - started - drafting, self.curve.step_time(tokens)):
             return
         self._model = applied_model(self.curve, self.step_time.scale, self.step_time.offset)
@@ -282,6 +305,8 @@ class VerificationController:
             confidences[ngram] = self.ngram.conditional(matches[ngram], step.proposed[ngram], step.greedy[ngram])[:, :width]
         policy_step = PolicyStep(confidences, self.policy_curve, step.base_tokens, step.min_tokens_per_s)
         verified = np.minimum(decide_lengths(self.policy, policy_step), step.proposed)
+        if self._verification_vetoed:  # n-gram rows on a step the check keeps plain
+            verified = np.zeros_like(verified)
         decision = VerifyDecision(step.req_ids, step.proposed, verified, confidences, step.base_tokens)
         survival = np.cumprod(confidences, axis=1)
         self._track_survival(survival[~ngram], step.proposed[~ngram])
@@ -289,25 +314,41 @@ class VerificationController:
         return decision
 
     def step_scheduled(
-        self, started: float, total_tokens: int, scheduled_drafts: dict[str, int] | None = None, prefill_tokens: int = 0
+        self,
+        started: float,
+        total_tokens: int,
+        scheduled_drafts: dict[str, int] | None = None,
+        prefill_tokens: int = 0,
+        num_requests: int = 0,
     ) -> None:
         """Close the step: `scheduled_drafts` (request -> drafts the engine scheduled; None =
         as decided) replaces the planned lengths, since the engine may cut drafts further
         (token budget, model length) and an unscheduled draft was never judged.
         `prefill_tokens` of the pass are prompt tokens: such a step is not timed for the
-        step-time model (the profile times decode passes; see scheduling/overhead.py)."""
-        pending = None
-        if self._decision is not None:
-            decision, survival, raw, greedy, matches = self._decision
-            verified = decision.verified
+        step-time model (the profile times decode passes; see scheduling/overhead.py).
+        `num_requests` in the pass (0: unknown) keys the realized-speed check."""
+        timed = bool(total_tokens) and not prefill_tokens
+        decision = self._decision
+        self._decision = None
+        verified = np.zeros(0, dtype=np.int64)
+        if decision is not None:
+            verified = decision[0].verified
             if scheduled_drafts is not None:
-                verified = np.minimum(verified, [scheduled_drafts.get(r, 0) for r in decision.req_ids])
+                verified = np.minimum(verified, [scheduled_drafts.get(r, 0) for r in decision[0].req_ids])
+        record = None
+        if self.realized is not None and timed and num_requests > 0:
+            assert self.curve is not None
+            verifies = bool(verified.sum())  # else its tokens are one per request, known now
+            record = StepRecord(num_requests, self.curve.step_time(num_requests), verifies,
+                                tokens=None if verifies else num_requests)
+        pending = None
+        if decision is not None:
+            decided, survival, raw, greedy, matches = decision
             predicted = np.where(np.arange(survival.shape[1]) < verified[:, None], survival, 0.0).sum(axis=1)
-            self.stats.record_decision(decision.proposed, verified, matches > 0)
-            pending = _Pending(decision.req_ids, raw, greedy, verified, predicted, matches)
-            self._decision = None
+            self.stats.record_decision(decided.proposed, verified, matches > 0)
+            pending = _Pending(decided.req_ids, raw, greedy, verified, predicted, matches, record)
         self._pending.append(pending)
-        self._previous_step = (started, total_tokens) if total_tokens and not prefill_tokens else None
+        self._previous_step = (started, total_tokens, record) if timed else None
 
     def awaiting_outcome(self) -> tuple[str, ...]:
         """Requests of the oldest scheduled step whose outcome `observe` takes next."""
@@ -324,6 +365,9 @@ class VerificationController:
         verified = np.where(emitted < 0, 0, pending.verified)  # no output: nothing was judged
         accepted = np.clip(emitted - 1, 0, verified)
         self.stats.accepted += int(accepted.sum())
+        if pending.record is not None and self.realized is not None and pending.record.tokens is None:
+            pending.record.tokens = pending.record.requests + int(accepted.sum())
+            self.realized.add(pending.record)
         self.stats.predicted_accepted += float(pending.predicted[verified > 0].sum())
         ngram = pending.ngram_matches > 0
         if ngram.any() and self.ngram is not None:
@@ -340,6 +384,7 @@ class VerificationController:
         """How deep the next step drafts for `num_requests` requests, from past steps only
         (the drafts it plans do not exist yet, so this cannot anticipate them)."""
         self._planned_steps += 1
+        self._verification_vetoed = False
         depth = self.policy.max_draft_depth(self.block)
         if not self.options.adaptive_drafting:
             self.stats.record_plan(depth)
@@ -347,9 +392,33 @@ class VerificationController:
         floor = self.policy.min_survival(self.policy_curve, num_requests, self.block)
         known = self.mean_survival is not None and bool(np.isfinite(self._survival_seen_at[:depth]).all())
         if self.policy.adaptive_depth and self.curve is not None and known and num_requests:
-            depth = self._probed_depth(self._best_depth(num_requests, depth), depth)
+            vetoed = self._speculation_vetoed(num_requests)
+            best = self._best_depth(num_requests, depth)
+            probe = self._probed_depth(0 if vetoed else best, depth)
+            # A probe under the veto tests what the model would draft.
+            depth = max(probe, best) if vetoed and probe else probe
+            # A probe's drafts are verified as usual; otherwise nothing is, n-gram rows included.
+            self._verification_vetoed = vetoed and depth == 0
+            self.stats.vetoed_steps += int(self._verification_vetoed)
         self.stats.record_plan(depth)
         return DraftPlan(depth, floor if depth else 0.0)
+
+    def _speculation_vetoed(self, num_requests: int) -> bool:
+        """Whether the realized-speed check overrules speculating at this load; logs
+        each change of its verdict with the gains that made it."""
+        if self.realized is None:
+            return False
+        gain, error, count = self.realized.gain(num_requests) or (float("nan"), 0.0, 0.0)
+        vetoed = self.realized.vetoes(num_requests)
+        bucket = load_bucket(num_requests)
+        if vetoed != (bucket in self._vetoed_loads):
+            logger.info(
+                "vllm_dspark: at %d-%d requests recent speculative steps realized %.2fx (+- %.2f, %.0f steps) the "
+                "per-request speed of plain ones: %s", 2**bucket, 2 ** (bucket + 1) - 1, gain, error, count,
+                "plain decoding, probing now and then" if vetoed else "speculating as the model decides",
+            )
+            (self._vetoed_loads.add if vetoed else self._vetoed_loads.discard)(bucket)
+        return vetoed
 
     def _probed_depth(self, best: int, max_depth: int) -> int:
         """`best`, or a probe of it once every `PROBE_INTERVAL` steps, less often while
@@ -383,6 +452,7 @@ class VerificationController:
             return
         self.drafting_cost.observe(num_requests, depth, lm_head_rows, seconds)
         self._drafting_in_step += seconds
+        self._drafted_in_step = self._drafted_in_step or depth > 0
         weight = 1.0 if self.drafting_cost.samples == 1 else DRAFTING_SMOOTHING
         self.drafting_seconds += weight * (seconds - self.drafting_seconds)
         self.stats.record_drafting(lm_head_rows, seconds)

@@ -1,0 +1,125 @@
+"""The measured check on speculating (scheduling/realized.py): realized gains per load,
+the veto they give the controller, and the way back once speculating pays again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_step_time_model import STARTUP_CURVE, serve
+from vllm_dspark.config import PluginOptions
+from vllm_dspark.scheduling.controller import StepInputs, VerificationController
+from vllm_dspark.scheduling.realized import MIN_SPECULATIVE_STEPS, RealizedSpeed, StepRecord, load_bucket
+
+
+def record(requests: int, seconds: float, tokens: int, verified: bool = True, drafting_s: float = 0.0) -> StepRecord:
+    return StepRecord(requests, 0.1, verified, seconds=seconds, drafting_s=drafting_s, drafted=drafting_s > 0,
+                      tokens=tokens)
+
+
+def test_load_buckets_are_powers_of_two() -> None:
+    assert [load_bucket(r) for r in (1, 2, 3, 4, 7, 8, 16, 63, 64)] == [0, 1, 1, 2, 2, 3, 4, 5, 6]
+
+
+def test_speculative_steps_slower_per_request_than_plain_ones_veto_that_load_only() -> None:
+    check = RealizedSpeed()
+    for _ in range(3):
+        check.add(record(16, 0.1, 16, verified=False))
+        check.add(record(1, 0.1, 1, verified=False))
+    for _ in range(int(MIN_SPECULATIVE_STEPS) + 2):
+        check.add(record(16, 0.15, 20))  # 1.25 tokens per request in 1.5 plain steps: 0.83x
+        check.add(record(1, 0.11, 2))  # 2 tokens in 1.1 plain steps: 1.8x
+    gain, error, _ = check.gain(16)
+    assert gain == pytest.approx(1.25 / 1.5) and error == pytest.approx(0.0, abs=1e-6)
+    assert check.vetoes(16) and check.vetoes(31), "the whole bucket 16-31"
+    assert not check.vetoes(1) and not check.vetoes(4), "no plain reference at 4: nothing to compare"
+
+
+def test_a_drafting_step_without_verification_is_a_reference_less_its_drafting_and_a_cost() -> None:
+    """Under steady drafting every step drafts; the ones that verify nothing still show what
+    a plain pass costs once the drafter's own time is taken out, and count as speculation
+    that earned nothing."""
+    check = RealizedSpeed()
+    for _ in range(10):
+        check.add(record(4, 0.12, 4, verified=False, drafting_s=0.02))
+    gain, _, count = check.gain(4)
+    assert gain == pytest.approx(0.1 / 0.12) and count > MIN_SPECULATIVE_STEPS
+    assert check.vetoes(4)
+
+
+def test_few_or_noisy_steps_do_not_veto() -> None:
+    """At one request a step's gain ranges from a drafted step's cost alone to K + 1 tokens;
+    a run of unlucky steps with a mean above 1 must not stop speculating."""
+    check = RealizedSpeed()
+    for _ in range(2):
+        check.add(record(1, 0.1, 1, verified=False))
+    for _ in range(int(MIN_SPECULATIVE_STEPS) - 1):
+        check.add(record(1, 0.2, 1))
+    assert not check.vetoes(1), "too few speculative steps"
+    rng = np.random.default_rng(0)
+    for tokens in rng.choice([1, 1, 1, 5], size=40):  # mean 2 tokens per 1.6 plain steps: 1.25x
+        check.add(record(1, 0.16, int(tokens)))
+        assert not check.vetoes(1)
+
+
+def test_a_step_is_folded_once_both_its_time_and_tokens_are_known() -> None:
+    check = RealizedSpeed()
+    for _ in range(2):
+        check.add(record(2, 0.1, 2, verified=False))
+    pending = StepRecord(2, 0.1, True, seconds=0.3)
+    check.add(pending)
+    assert not pending.folded and check.gain(2) is None
+    pending.tokens = 2
+    check.add(pending)
+    check.add(pending)
+    assert pending.folded and check.gain(2)[2] == pytest.approx(1.0), "counted once"
+
+
+def controller(check: bool) -> VerificationController:
+    options = PluginOptions(policy="dspark", sps_table=STARTUP_CURVE.points, recalibrate=False, check_realized_speed=check)
+    return VerificationController(options, STARTUP_CURVE, num_speculative_tokens=7)
+
+
+@pytest.mark.parametrize("requests", [1, 4])
+def test_the_controller_stops_speculating_where_verifying_costs_what_no_model_shows(requests: int) -> None:
+    """Steps that verify cost 1.5 plain steps more than the profile says (a cost the
+    step-time model spreads over all steps, since under steady drafting nearly every step
+    verifies), and each request accepts one draft: speculating realizes 2 / 2.5 of plain
+    decoding. The model keeps drafting; the check stops it."""
+    extra = 1.5 * STARTUP_CURVE.step_time(requests)
+    drafting = {check: serve(controller(check), STARTUP_CURVE.step_time, requests, 400, 0.6, lambda _: extra)[200:]
+                for check in (True, False)}
+    assert sum(d > 0 for d in drafting[False]) > 0.9 * 200, "the model alone drafts"
+    assert sum(d > 0 for d in drafting[True]) < 0.05 * 200, "the check keeps the steps plain"
+
+
+def test_speculating_resumes_once_it_pays_again() -> None:
+    """The hidden cost goes away after 400 steps: the probes (which go on under the veto,
+    backing off to every 128 steps) measure the new gains and drafting resumes."""
+    extra = 1.5 * STARTUP_CURVE.step_time(4)
+    depths = serve(controller(True), STARTUP_CURVE.step_time, 4, 1200, 0.6, lambda step: extra if step < 400 else 0.0)
+    assert sum(d > 0 for d in depths[200:400]) < 10
+    assert sum(d > 0 for d in depths[1000:]) > 0.9 * 200
+
+
+def test_where_speculating_pays_the_check_never_vetoes() -> None:
+    """Verifying costs 0.2 plain steps more than profiled and still returns 2 tokens per
+    request (about 1.2x at the depth drafted), the check leaves the model's decisions alone."""
+    ctrl = controller(True)
+    extra = 0.2 * STARTUP_CURVE.step_time(4)
+    depths = serve(ctrl, STARTUP_CURVE.step_time, 4, 400, 0.6, lambda _: extra)
+    assert ctrl.stats.vetoed_steps == 0 and sum(d > 0 for d in depths[200:]) > 0.9 * 200
+
+
+def test_a_vetoed_load_verifies_no_ngram_rows_either() -> None:
+    """The veto holds for every source: on a step the check keeps plain, n-gram proposals
+    (which need no drafting) are not verified."""
+    ctrl = controller(True)
+    serve(ctrl, STARTUP_CURVE.step_time, 4, 300, 0.6, lambda _: 1.5 * STARTUP_CURVE.step_time(4))
+    plan = ctrl.plan_drafting(4)
+    while plan.depth:  # past a probe
+        plan = ctrl.plan_drafting(4)
+    inputs = StepInputs(tuple("abcd"), np.zeros((4, 7)), np.full(4, 5), np.ones(4, bool), ngram_matches=np.full(4, 6))
+    assert ctrl.decide(inputs).verified.sum() == 0
+    off = controller(False)
+    assert off.decide(inputs).verified.sum() > 0, "verified without the check (uniform prior 0.5)"

@@ -1,0 +1,134 @@
+"""The measured check on the controller's model: do speculative steps really beat plain ones?
+
+The controller drafts and verifies where its model (calibrated survival, the profiled
+step curve mapped by the learned step-time model, the drafting-cost fit) predicts more
+tokens per second than plain decoding. Whatever that model leaves out (a rejection
+sampler and draft bookkeeping dearer than a profiled token, survival over-estimated at
+one load, verification that the step-time fit cannot tell apart from its scale within a
+wave of one size) makes it speculate where plain decoding is faster. Measured so: at 4
+requests dspark was predicted at 1.01x and ran at 0.93x plain decoding.
+
+`RealizedSpeed` measures the outcome itself, per load (requests in the pass, in powers of
+two). Steps that verify nothing give the bucket's reference, (measured step - the
+drafting measured in it) / profiled step: under steady drafting every step drafts, so
+plain steps come only from probes that verify nothing, and they draft too. Each
+speculative step (drafts verified, or the drafter run in it) gives its realized gain,
+
+    g = (tokens emitted / requests) x (reference x profiled plain step) / measured step,
+
+the per-request speed of that step over a plain step at the same load. The controller
+stops speculating at a load once the recent gains there lie below 1 with confidence (mean
+plus `CONFIDENCE` standard errors), and goes on probing as it does when its model says
+not to draft. The verdict then rests on the probes alone (the gains are cleared when it
+changes): it holds while their mean gain stays below 1 and lifts at the first probe
+above, so a load where speculating pays again gets it back within one probe. Only past
+steps enter, so outputs stay exact, as with every other input of the decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Weight of the older gains at each new speculative step of a bucket (about 20 recent
+# steps decide) and of the older reference at each new plain step.
+GAIN_FORGETTING = 0.95
+REFERENCE_SMOOTHING = 0.1
+# Speculative steps (effective count) and plain steps a bucket needs before it can veto,
+# and the speculative steps of a probe (its drafting step and its verifying step).
+MIN_SPECULATIVE_STEPS = 8.0
+MIN_PLAIN_STEPS = 2
+PROBE_STEPS = 2.0
+# Standard errors the mean gain must lie below 1 to veto: per-step gains at one request
+# range from a drafted step's cost alone to K + 1 tokens, and acceptance comes in runs,
+# so a run of unlucky steps must not do it.
+CONFIDENCE = 2.0
+
+
+def load_bucket(num_requests: int) -> int:
+    """1 -> 0, 2-3 -> 1, 4-7 -> 2, ...: loads whose steps cost alike share a bucket."""
+    return max(0, int(num_requests).bit_length() - 1)
+
+
+@dataclass
+class StepRecord:
+    """One decode step, filled in as its parts become known."""
+
+    requests: int  # requests in the pass
+    profiled_plain_s: float  # the profile's step for a plain pass of `requests` tokens
+    verified: bool  # drafts were verified in it
+    seconds: float | None = None  # measured wall time, drafting included
+    drafting_s: float = 0.0  # the drafter's own measured time in it
+    drafted: bool = False  # the drafter ran in it (depth > 0), not only its context pass
+    tokens: int | None = None  # tokens emitted by its requests
+    folded: bool = False
+
+
+@dataclass
+class _Bucket:
+    reference: float = 0.0  # measured / profiled time of plain steps
+    plain_steps: int = 0
+    vetoed: bool = False
+    weight: float = 0.0  # decayed sums over speculative steps: sum w, sum w^2, sum w g, sum w g^2
+    weight_sq: float = 0.0
+    gain_sum: float = 0.0
+    gain_sq_sum: float = 0.0
+
+    def mean_and_error(self) -> tuple[float, float, float]:
+        """(mean gain, its standard error, effective number of steps)."""
+        mean = self.gain_sum / self.weight
+        variance = max(0.0, self.gain_sq_sum / self.weight - mean * mean)
+        count = self.weight**2 / self.weight_sq
+        return mean, float(np.sqrt(variance / count)), count
+
+
+class RealizedSpeed:
+    """Per-load realized gains of speculative steps over plain ones (module docstring)."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, _Bucket] = {}
+
+    def add(self, step: StepRecord) -> None:
+        """Fold a step once its time and tokens are both known (idempotent)."""
+        if step.folded or step.seconds is None or step.tokens is None or step.seconds <= 0.0 or step.requests <= 0:
+            return
+        step.folded = True
+        bucket = self._buckets.setdefault(load_bucket(step.requests), _Bucket())
+        plain_s = step.seconds - step.drafting_s
+        if not step.verified and plain_s > 0.0:
+            weight = 1.0 if bucket.plain_steps == 0 else REFERENCE_SMOOTHING
+            bucket.reference += weight * (plain_s / step.profiled_plain_s - bucket.reference)
+            bucket.plain_steps += 1
+        if not (step.verified or step.drafted) or bucket.plain_steps == 0:
+            return  # nothing to compare with yet
+        gain = (step.tokens / step.requests) * bucket.reference * step.profiled_plain_s / step.seconds
+        bucket.weight = GAIN_FORGETTING * bucket.weight + 1.0
+        bucket.weight_sq = GAIN_FORGETTING**2 * bucket.weight_sq + 1.0
+        bucket.gain_sum = GAIN_FORGETTING * bucket.gain_sum + gain
+        bucket.gain_sq_sum = GAIN_FORGETTING * bucket.gain_sq_sum + gain * gain
+
+    def gain(self, num_requests: int) -> tuple[float, float, float] | None:
+        """(mean recent gain, standard error, effective steps) at this load; None while
+        there is nothing to compare."""
+        bucket = self._buckets.get(load_bucket(num_requests))
+        if bucket is None or bucket.plain_steps < MIN_PLAIN_STEPS or bucket.weight == 0.0:
+            return None
+        return bucket.mean_and_error()
+
+    def vetoes(self, num_requests: int) -> bool:
+        """The verdict at this load, updated from the gains since it last changed: True
+        where speculating has measurably realized less than plain decoding."""
+        bucket = self._buckets.get(load_bucket(num_requests))
+        measured = self.gain(num_requests)
+        if bucket is None or measured is None:
+            return bucket is not None and bucket.vetoed
+        mean, error, count = measured
+        if bucket.vetoed:
+            changed = count >= PROBE_STEPS and mean >= 1.0
+        else:
+            changed = count >= MIN_SPECULATIVE_STEPS and mean + CONFIDENCE * error < 1.0
+        if changed:
+            bucket.vetoed = not bucket.vetoed
+            bucket.weight = bucket.weight_sq = bucket.gain_sum = bucket.gain_sq_sum = 0.0
+        return bucket.vetoed
