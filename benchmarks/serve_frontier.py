@@ -41,6 +41,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 from vllm_dspark.evaluation.dataset import default_eval_dir
 
@@ -93,6 +94,7 @@ def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str 
         "dspark, no realized-speed check": dspark(policy="dspark", **curve, check_realized_speed=False),
         "dspark_async": dspark(policy="dspark_async", **curve),
         "dspark + n-gram": dspark(policy="dspark", **curve, hybrid_ngram=True),
+        "dspark + n-gram, drafter every step": dspark(policy="dspark", **curve, hybrid_ngram=True, ngram_skips_drafter=False),
         "sla, 8 tok/s floor": dspark(policy="sla", **curve, min_tokens_per_s=8.0),
         "sla, 16 tok/s floor": dspark(policy="sla", **curve, min_tokens_per_s=16.0),
     } | ({} if reduced is None else {
@@ -116,14 +118,24 @@ def engine_kwargs(max_num_seqs: int) -> dict:
                 kv_cache_memory_bytes=KV_CACHE_BYTES)
 
 
-def decode_tok_s(outputs) -> float:
-    """Mean over requests of (tokens - 1) / (last token - first token): per-user decode speed."""
+def decode_speeds(outputs) -> list[float]:
+    """Per request (tokens - 1) / (last token - first token): its decode speed."""
     speeds = []
     for output in outputs:
         metrics, tokens = output.metrics, len(output.outputs[0].token_ids)
         if metrics is not None and tokens > 1 and metrics.last_token_ts > metrics.first_token_ts:
             speeds.append((tokens - 1) / (metrics.last_token_ts - metrics.first_token_ts))
-    return statistics.fmean(speeds) if speeds else float("nan")
+    return speeds
+
+
+def wave_timing(outputs) -> dict:
+    """What splits a wave's time: mean decode speed per user (1/TPOT), the slowest
+    request's (the wave waits for it) and the mean time to the first token."""
+    speeds = decode_speeds(outputs)
+    latencies = [o.metrics.first_token_latency for o in outputs if o.metrics is not None]
+    nan = float("nan")
+    return {"decode": statistics.fmean(speeds) if speeds else nan, "slowest_decode": min(speeds, default=nan),
+            "first_token_s": statistics.fmean(latencies) if latencies else nan}
 
 
 def serve_waves(conn, target: str, settings: dict, max_num_seqs: int, max_tokens: int, prompt_set: str) -> None:
@@ -141,7 +153,7 @@ def serve_waves(conn, target: str, settings: dict, max_num_seqs: int, max_tokens
         start = time.perf_counter()
         outputs = llm.chat(eval_prompts(r, prompt_set), params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        conn.send({"seconds": seconds, "decode": decode_tok_s(outputs), "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        conn.send({"seconds": seconds, **wave_timing(outputs), "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
                    "spec": spec_counters(llm), "plugin": plugin_stats(llm)})
 
 
@@ -164,6 +176,8 @@ def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict) ->
         "throughput_tok_s": waves[0]["tokens"] / wave,
         "per_user_tok_s": max_tokens / wave,
         "decode_tok_s_per_user": statistics.median(w["decode"] for w in waves),
+        "slowest_decode_tok_s": statistics.median(w["slowest_decode"] for w in waves),
+        "first_token_s": statistics.median(w["first_token_s"] for w in waves),
         "verified_drafts_per_step": delta["num_draft_tokens"] / drafts if drafts else 0.0,
         "accepted_length": 1.0 + delta["num_accepted_tokens"] / drafts if drafts else 1.0,
         "wave_spread_seconds": [min(seconds), max(seconds)],
@@ -174,9 +188,11 @@ def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict) ->
 
 
 def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], max_tokens: int, repeats: int,
-                    prompt_set: str) -> tuple[dict[str, list[dict]], list | None]:
-    """Every configuration's engine alive at once; waves taken in turn. Returns the rows and
-    the SPS curve the plugin's engines used (None if none used one)."""
+                    prompt_set: str, measured: Callable[[dict[str, list[dict]], list | None], None]) -> None:
+    """Every configuration's engine alive at once; waves taken in turn. After each
+    concurrency, `measured` gets the rows so far and the SPS curve the plugin's engines
+    used (None if none used one), so a run cut short (at R = 64 seven engines can exhaust
+    the machine's memory) keeps what it measured."""
     context = multiprocessing.get_context("spawn")
     engines = {}
     try:
@@ -203,7 +219,7 @@ def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], 
                 results[name].append(row)
                 print(f"  {name}, R={r:3d}: {row['throughput_tok_s']:7.1f} tok/s total, {row['per_user_tok_s']:6.2f} "
                       f"tok/s per user, {row['decode_tok_s_per_user']:6.2f} decode tok/s per user", flush=True)
-        return results, curve
+            measured(results, curve)
     finally:
         for process, conn, _ in engines.values():
             conn.send(None)
@@ -296,13 +312,16 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         "",
         "`predicted` is the speed-up the accepted tokens per step and the step curve predict "
         "(tokens per request per step x T(R) / T(R + verified drafts per step)); the gap to the measured "
-        "one is what drafting and the speculative path's other costs take.",
+        "one is what drafting and the speculative path's other costs take. A wave lasts its mean time to the first "
+        "token plus its slowest request's decode, so a speculative row whose requests decode at unequal "
+        "speeds can lose per user while its mean decode speed gains.",
         "",
         "| configuration | R | system tok/s | per-user tok/s (min-max wave) | vs no-spec | predicted | decode tok/s per user | vs no-spec "
+        "| slowest request's decode tok/s | first token s "
         "| accepted length (steps with drafts) | verified drafts/step | steps without drafting (by the measured check) "
         "| mean draft depth | drafting ms/step "
         "| learned step model |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     from vllm_dspark.scheduling import SpsCurve
 
@@ -320,11 +339,12 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
                         if "mean_draft_depth" in row else "- | - | -")
             model = (f"{row['step_time_scale']:.2f} x profile {row['step_overhead_ms']:+.1f} ms"
                      if "step_time_scale" in row else "-")
+            timing = f"{row.get('slowest_decode_tok_s', float('nan')):.2f} | {row.get('first_token_s', float('nan')):.3f}"
             predicted = predicted_speedup(row, curve)
             predicted_text = "-" if predicted is None else f"{predicted:.2f}x"
             lines.append(
                 f"| {name} | {row['concurrency']} | {row['throughput_tok_s']:.1f} | {row['per_user_tok_s']:.2f} "
-                f"({slowest:.2f}-{fastest:.2f}) | {ratio} | {predicted_text} | {decode:.2f} | {decode_ratio} | {row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} | {drafting} | {model} |"
+                f"({slowest:.2f}-{fastest:.2f}) | {ratio} | {predicted_text} | {decode:.2f} | {decode_ratio} | {timing} | {row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} | {drafting} | {model} |"
             )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
@@ -369,7 +389,6 @@ def main() -> int:
     target = args.target or str(smollm2_checkpoint())
     configs = configurations(args.drafter, args.k, curve_options(args.sps_profile), args.reduced_drafter)
     plan = {name: settings for name, settings in configs.items() if not args.only or name in args.only}
-    results, sps = run_interleaved(target, plan, args.concurrency, args.max_tokens, args.repeats, args.prompts)
     meta = {
         "target": target,
         "drafter": args.drafter,
@@ -377,7 +396,6 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "prompt_set": args.prompts,
-        "sps": sps,
         "sps_source": args.sps_profile or "each engine's start-up profile (cached, the out-of-the-box default)",
         "reduced_drafter": args.reduced_drafter,
         "reduced_vocab": (json.loads((Path(args.reduced_drafter) / "config.json").read_text())["draft_vocab_size"]
@@ -385,8 +403,12 @@ def main() -> int:
         "hardware": hardware_name(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
-    write_results(results, meta, args.out)
-    print(f"wrote {args.out.with_suffix('.md')}")
+
+    def measured(results: dict[str, list[dict]], sps: list | None) -> None:
+        write_results(results, meta | {"sps": sps}, args.out)
+        print(f"wrote {args.out.with_suffix('.md')}", flush=True)
+
+    run_interleaved(target, plan, args.concurrency, args.max_tokens, args.repeats, args.prompts, measured)
     return 0
 
 

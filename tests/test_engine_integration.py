@@ -346,23 +346,29 @@ def test_scheduler_learns_the_step_time_the_profile_lacks(tiny_target, fitted_dr
 REPEATING = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [100, 200, 300, 100, 200, 300, 100], [9, 9, 9, 9, 9, 9]]
 
 
-@pytest.mark.parametrize("drafter_drafts", [True, False], ids=["drafting", "never-drafting"])
-def test_hybrid_proposals_keep_greedy_outputs_and_are_counted_by_source(tiny_target, fitted_drafter, drafter_drafts):
+@pytest.mark.parametrize("drafting", ["drafting", "never-drafting", "drafter-left-out-for-ngram"])
+def test_hybrid_proposals_keep_greedy_outputs_and_are_counted_by_source(tiny_target, fitted_drafter, drafting):
     """With the n-gram lookup on, greedy outputs equal plain decoding's, n-gram drafts are
-    verified and accepted (also when the controller plans no drafting at all), vLLM's
+    verified and accepted (also when the controller plans no drafting at all, and when the
+    worker leaves the drafter out because every request's continuation wins), vLLM's
     counters agree with the plugin's, and Prometheus splits the counts by source."""
+    from vllm_dspark.scheduling import hybrid
     from vllm_dspark.scheduling.controller import DraftPlan
 
     plain = generate_ids(make_llm(tiny_target), REPEATING, MAX_TOKENS)
-    llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": {"policy": "fixed", "hybrid_ngram": True}})
+    options = {"policy": "fixed", "hybrid_ngram": True, "ngram_skips_drafter": drafting != "drafting"}
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": options})
     controller = engine_scheduler(llm).controller
-    if not drafter_drafts:
+    if drafting == "never-drafting":
         controller.plan_drafting = lambda num_requests: DraftPlan(0, 0.0)
+    elif drafting == "drafter-left-out-for-ngram":  # any continuation beats the drafter
+        controller._drafter_skip = lambda depth: hybrid.DrafterSkip(np.ones((2, hybrid.MATCH_BUCKETS, 7)), -1.0)
     assert generate_ids(llm, REPEATING, MAX_TOKENS) == plain
     stats = controller.stats
     counters = spec_counters(llm)
     assert stats.ngram_verified > 0 and stats.ngram_accepted > 0
-    assert (stats.ngram_proposed < stats.proposed) == drafter_drafts
+    assert (stats.ngram_proposed == stats.proposed) == (drafting == "never-drafting"), "the drafter's blocks in play"
+    assert (stats.drafter_skipped_steps > 0) == (drafting == "drafter-left-out-for-ngram")
     assert stats.drafting_seconds > 0.0, "the drafter's cost reports still reach the controller"
     assert counters["num_draft_tokens"] == stats.verified
     assert counters["num_accepted_tokens"] == stats.accepted
@@ -378,3 +384,33 @@ def test_hybrid_off_proposes_no_ngram_drafts(tiny_target, fitted_drafter):
     llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": {"policy": "fixed", "hybrid_ngram": False}})
     generate_ids(llm, REPEATING, MAX_TOKENS)
     assert engine_scheduler(llm).controller.stats.ngram_proposed == 0
+
+
+def test_continuations_found_before_drafting_equal_those_after_bookkeeping(tiny_target, fitted_drafter, monkeypatch):
+    """The worker looks up continuations before vLLM's bookkeeping (to decide whether the
+    drafter runs) and reuses them for the scheduler; looked up again on the batch once the
+    step's tokens are written, every step gives the same continuations."""
+    from vllm_dspark.integration import vllm_patches
+    from vllm_dspark.integration.scheduler import DSparkScheduler
+
+    found, handed = [], []
+    before_drafting = vllm_patches.lookup_after_step
+
+    def record_then_miss(runner, sampled):
+        result = before_drafting(runner, sampled)
+        if result is not None:
+            found.append(result[1])
+        return None if result is None else (("no request",), result[1])  # the take looks up again
+
+    monkeypatch.setattr(vllm_patches, "lookup_after_step", record_then_miss)
+    choose = DSparkScheduler._choose_proposals
+    monkeypatch.setattr(DSparkScheduler, "_choose_proposals",
+                        lambda self, drafts, confidences, proposals: handed.append(proposals) or choose(self, drafts, confidences, proposals))
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": {"policy": "fixed", "hybrid_ngram": True}})
+    from vllm_dspark.scheduling import hybrid
+
+    engine_scheduler(llm).controller._drafter_skip = lambda depth: hybrid.DrafterSkip(np.ones((2, hybrid.MATCH_BUCKETS, 7)), 1e9)
+    generate_ids(llm, REPEATING, MAX_TOKENS)
+    assert len(found) > 5 and len(found) == len(handed)
+    for ours, theirs in zip(found, handed):
+        assert ours.matches.tolist() == theirs.matches.tolist() and ours.tokens.tolist() == theirs.tokens.tolist()

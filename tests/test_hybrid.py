@@ -164,7 +164,7 @@ def test_controller_prices_ngram_rows_by_their_own_acceptance_and_learns_them_ap
     ctrl.observe(np.array([1, 4]))  # a: all 4 drafts rejected; b: all 3 accepted
     assert ctrl.stats.ngram_proposed == 3 and ctrl.stats.ngram_verified == decision.verified[1]
     assert ctrl.stats.ngram_accepted == 3
-    assert ctrl.ngram.judged[0, hybrid.NgramConfidence.buckets(5)].sum() == 3
+    assert ctrl.ngram.judged[0, hybrid.match_buckets(5)].sum() == 3
     # The drafter's recalibration saw only the drafter's row (one judged, rejected draft).
     assert (ctrl.recalibrators["greedy"].judged - recalibration_before).sum() == 1
 
@@ -182,3 +182,69 @@ def test_invalid_first_confidence_counts_as_no_draft(first: float) -> None:
     proposals = hybrid.NgramProposals(np.ones((1, 4), dtype=np.int64), np.array([1]), np.array([2]))
     # A weak one-token continuation (expected 0.5) beats a drafter whose c_1 is unusable.
     assert ctrl.prefer_ngram(np.array([first]), np.array([True]), proposals, 4).tolist() == [True]
+
+
+def learned_table(ctrl: VerificationController, match: int, accepted_of_4: int, steps: int = 50) -> None:
+    """Teach the controller's n-gram confidence: greedy continuations with this match
+    length, `accepted_of_4` of 4 verified drafts accepted each time."""
+    for _ in range(steps):
+        ctrl.ngram.observe(np.array([match]), np.array([True]), np.array([4]), np.array([accepted_of_4]))
+
+
+def test_drafter_skip_needs_every_request_ahead_of_the_drafter() -> None:
+    table = np.zeros((2, hybrid.MATCH_BUCKETS, 4))
+    table[0, hybrid.match_buckets(6)] = 0.9  # greedy, long matches: 0.9 + 0.81 + ... = 3.1 expected
+    table[0, hybrid.match_buckets(2)] = 0.3  # greedy, short matches: about 0.43
+    skip = hybrid.DrafterSkip(table, drafter_expected=1.0)
+    assert skip.possible()
+    greedy = np.array([True, True])
+    long_both = hybrid.NgramProposals(np.ones((2, 4), dtype=np.int64), np.array([4, 4]), np.array([6, 7]))
+    assert skip.applies(long_both, greedy)
+    one_short = hybrid.NgramProposals(np.ones((2, 4), dtype=np.int64), np.array([4, 4]), np.array([6, 2]))
+    assert not skip.applies(one_short, greedy), "the drafter still serves the short match's request"
+    one_missing = hybrid.NgramProposals(np.ones((2, 4), dtype=np.int64), np.array([4, 0]), np.array([6, 0]))
+    assert not skip.applies(one_missing, greedy)
+    assert not skip.applies(long_both, np.array([True, False])), "sampled rows have their own (zero) table"
+    assert not hybrid.DrafterSkip(table, drafter_expected=3.5).possible()
+
+
+def test_the_plan_carries_the_skip_only_where_it_can_apply() -> None:
+    ctrl = controller()
+    assert ctrl.plan_drafting(1).drafter_skip is None, "nothing known of the drafter yet"
+    ctrl.mean_survival = np.array([0.4, 0.2, 0.1, 0.05])
+    ctrl._survival_seen_at[:] = 0.0
+    learned_table(ctrl, match=6, accepted_of_4=4)
+    plan = ctrl.plan_drafting(1)
+    assert plan.depth > 0 and plan.drafter_skip is not None
+    assert plan.drafter_skip.drafter_expected == pytest.approx(ctrl.mean_survival[: plan.depth].sum())
+    assert controller(ngram_skips_drafter=False).plan_drafting(1).drafter_skip is None
+    weak = controller()
+    weak.mean_survival, weak._survival_seen_at[:] = np.array([0.99, 0.98, 0.97, 0.96]), 0.0
+    learned_table(weak, match=6, accepted_of_4=0)  # n-gram drafts never survive: no skip possible
+    assert weak.plan_drafting(1).drafter_skip is None
+
+
+def test_lookup_after_step_appends_the_sampled_tokens() -> None:
+    """The worker decides the skip before vLLM's bookkeeping writes the step's tokens into
+    the batch: its lookup must see them (the accepted drafts and the bonus token, not the
+    rejected placeholders) and equal the lookup on the finished contexts."""
+    import torch
+    from types import SimpleNamespace
+
+    from vllm_dspark.integration.vllm_patches import lookup_after_step
+
+    before = [[5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 1, 2]]
+    sampled = [[7, 8, -1, -1], [3, -1, -1, -1]]  # two tokens, one token
+    token_ids, num_tokens = batch(before)
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(num_reqs=2, token_ids_cpu=token_ids, num_tokens_no_spec=num_tokens, req_ids=["a", "b"]),
+        discard_request_mask=SimpleNamespace(np=np.zeros(3, dtype=bool)), num_spec_tokens=4, max_model_len=64)
+    req_ids, proposals = lookup_after_step(runner, torch.tensor(sampled))
+    after_ids, after_counts = batch([b + [t for t in s if t >= 0] for b, s in zip(before, sampled)])
+    expected = hybrid.lookup_continuations(after_ids, after_counts, np.arange(2), 4, 64)
+    assert req_ids == ("a", "b")
+    assert proposals.matches.tolist() == expected.matches.tolist() == [4, 3]
+    assert proposals.tokens.tolist() == expected.tokens.tolist()
+    assert token_ids[0, 7] == 0, "the batch itself is left for vLLM's bookkeeping"
+    runner.discard_request_mask.np[1] = True  # a prompt chunk: its sampled token is discarded
+    assert lookup_after_step(runner, torch.tensor(sampled)) is None

@@ -40,9 +40,9 @@ def test_configurations_are_valid_plugin_settings():
 def test_report_has_every_row(tmp_path: Path):
     frontier = load_script()
     row = {"concurrency": 4, "wave_seconds": 2.0, "throughput_tok_s": 96.0, "per_user_tok_s": 24.0,
-           "decode_tok_s_per_user": 30.0, "verified_drafts_per_step": 3.0, "accepted_length": 1.5, "wave_spread_seconds": [1.92, 2.4]}
+           "decode_tok_s_per_user": 30.0, "slowest_decode_tok_s": 29.0, "first_token_s": 0.25, "verified_drafts_per_step": 3.0, "accepted_length": 1.5, "wave_spread_seconds": [1.92, 2.4]}
     drafted = {**row, "per_user_tok_s": 12.0, "decode_tok_s_per_user": 45.0, "steps_without_drafting": 0.5, "mean_draft_depth": 1.25,
-               "drafting_ms_per_step": 3.5, "engine_steps": 32, "tokens": 192, "draft_tokens": 96,
+               "drafting_ms_per_step": 3.5, "steps_vetoed": 0.25, "engine_steps": 32, "tokens": 192, "draft_tokens": 96,
                "step_time_scale": 1.25, "step_overhead_ms": -4.0}
     results = {"no-spec": [row], "dspark": [drafted]}
     # Step times 0.1 s at B = 1 and 0.2 s at B = 8: 1.5 tokens per request per step with 3
@@ -51,8 +51,8 @@ def test_report_has_every_row(tmp_path: Path):
     frontier.write_results(results, meta, tmp_path / "frontier")
     assert json.loads((tmp_path / "frontier.json").read_text())["results"] == results
     table = (tmp_path / "frontier.md").read_text()
-    assert "| no-spec | 4 | 96.0 | 24.00 (20.00-25.00) | 1.00x | - | 30.00 | 1.00x | 1.50 | 3.00 | - | - | - | - |" in table
-    assert "| dspark | 4 | 96.0 | 12.00 (20.00-25.00) | 0.50x | 1.15x | 45.00 | 1.50x | 1.50 | 3.00 | 50% | 1.25 | 3.5 | 1.25 x profile -4.0 ms |" in table
+    assert "| no-spec | 4 | 96.0 | 24.00 (20.00-25.00) | 1.00x | - | 30.00 | 1.00x | 29.00 | 0.250 | 1.50 | 3.00 | - | - | - | - |" in table
+    assert "| dspark | 4 | 96.0 | 12.00 (20.00-25.00) | 0.50x | 1.15x | 45.00 | 1.50x | 29.00 | 0.250 | 1.50 | 3.00 | 50% (25%) | 1.25 | 3.5 | 1.25 x profile -4.0 ms |" in table
     assert (tmp_path / "frontier.png").stat().st_size > 0
 
 
@@ -69,7 +69,7 @@ def test_waves_are_interleaved_in_rotating_order():
     names = ["a", "b", "c"]
     assert [frontier.wave_order(names, i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     before = {"spec": {"num_drafts": 10, "num_accepted_tokens": 5, "num_draft_tokens": 20}, "plugin": None}
-    waves = [{"seconds": s, "decode": d, "tokens": 64, "plugin": None,
+    waves = [{"seconds": s, "decode": d, "slowest_decode": d - 1, "first_token_s": 0.1, "tokens": 64, "plugin": None,
               "spec": {"num_drafts": 30, "num_accepted_tokens": 25, "num_draft_tokens": 60}} for s, d in ((2.0, 9.0), (4.0, 7.0), (3.0, 8.0))]
     row = frontier.summarize_waves(1, 64, waves, before)
     assert row["wave_seconds"] == 3.0 and row["per_user_tok_s"] == 64 / 3.0 and row["decode_tok_s_per_user"] == 8.0

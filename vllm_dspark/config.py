@@ -207,6 +207,10 @@ class PluginOptions(BaseModel):
     # context (prompt lookup); the scheduler takes whichever proposal expects more accepted
     # tokens and ranks both sources under one budget (scheduling/hybrid.py).
     hybrid_ngram: bool = True
+    # Hybrid: the worker leaves the drafter out of a step where every request's n-gram
+    # continuation expects more accepted drafts than the drafter's recent blocks
+    # (scheduling/hybrid.py, DrafterSkip).
+    ngram_skips_drafter: bool = True
     # With adaptive drafting: stop speculating at a load where speculative steps have
     # measurably realized less per-request speed than plain steps there, whatever the
     # model predicts (probes go on; scheduling/realized.py).

@@ -56,6 +56,8 @@ def _engine_families(engine: int, stats: DSparkStats) -> list:
         ("drafting_seconds", "Seconds the drafter spent proposing", stats.drafting_seconds),
         ("vetoed_steps", "Steps not speculating because speculative steps at that load measured slower than plain ones",
          stats.vetoed_steps),
+        ("drafter_skipped_steps", "Steps the drafter was left out because every request's n-gram continuation won",
+         stats.drafter_skipped_steps),
     ]:
         family = CounterMetricFamily(f"vllm_dspark_{name}", doc, labels=labels)
         family.add_metric(values, value)

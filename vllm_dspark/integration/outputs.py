@@ -17,6 +17,9 @@ from vllm_dspark.scheduling.hybrid import NgramProposals
 # Attribute of vLLM's SchedulerOutput carrying the drafting early-stop survival from the
 # scheduler to the worker (with the object in-process, by pickle to worker processes).
 MIN_SURVIVAL_FIELD = "vllm_dspark_min_survival"
+# Attribute of SchedulerOutput: the plan's `DrafterSkip` (or None), the worker's rule for
+# leaving the drafter out of a step where every request's n-gram continuation wins.
+DRAFTER_SKIP_FIELD = "vllm_dspark_drafter_skip"
 # Attribute of SchedulerOutput: the requests whose scheduled drafts are n-gram continuations,
 # verified as point masses (probability 1 on each proposed token).
 POINT_MASS_FIELD = "vllm_dspark_point_mass"
@@ -26,7 +29,8 @@ POINT_MASS_FIELD = "vllm_dspark_point_mass"
 class DraftReport:
     """What one proposal cost: the scheduler learns drafting's price from it."""
 
-    depth: int  # draft positions asked for (0: the scheduler skipped drafting)
+    depth: int  # draft positions drafted (0: the scheduler or the n-gram skip left the drafter out)
+    skipped_for_ngram: bool = False  # the worker left the drafter out for n-gram continuations
     lm_head_rows: int = 0  # (request, position) rows whose logits were computed
     seconds: float = 0.0
 

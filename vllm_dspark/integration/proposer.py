@@ -38,6 +38,9 @@ class DSparkProposer(dflash_proposer_base()):
         # Set by the runner before each proposal from the scheduler's plan: a request stops
         # drafting once its prefix survival falls below it (0 = draft every position).
         self.min_survival = 0.0
+        # Set by the runner before a proposal where every request's n-gram continuation
+        # beats the drafter (hybrid.DrafterSkip): only the context is stored, once.
+        self.skip_for_ngram = False
         # The last proposal's confidences on the host (filled without blocking) and the
         # event after which they are there (None on CPU, where the copy is synchronous).
         self._confidences: torch.Tensor | None = None
@@ -47,11 +50,15 @@ class DSparkProposer(dflash_proposer_base()):
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor:
         """vLLM's proposal, timed; with 0 tokens asked for (the scheduler decided not to
-        draft) only the context K/V is stored, without the drafter's forward pass."""
+        draft) or the n-gram skip set, only the context K/V is stored, without the
+        drafter's forward pass."""
         if not self.is_dspark:
             return super().propose(num_speculative_tokens, *args, **kwargs)
+        skipped, self.skip_for_ngram = self.skip_for_ngram and num_speculative_tokens > 0, False
+        if skipped:
+            num_speculative_tokens = 0
         self._timer.start()
-        self._report = DraftReport(depth=num_speculative_tokens)
+        self._report = DraftReport(depth=num_speculative_tokens, skipped_for_ngram=skipped)
         if num_speculative_tokens == 0:
             self.store_context_only(*args, **kwargs)
             drafts = torch.empty(kwargs["common_attn_metadata"].batch_size(), 0, dtype=torch.int64, device=self.device)

@@ -27,7 +27,7 @@ from vllm.v1.request import Request
 from vllm_dspark.config import PluginOptions
 from vllm_dspark.integration import compat
 from vllm_dspark.integration.metrics import attach_stats
-from vllm_dspark.integration.outputs import MIN_SURVIVAL_FIELD, POINT_MASS_FIELD
+from vllm_dspark.integration.outputs import DRAFTER_SKIP_FIELD, MIN_SURVIVAL_FIELD, POINT_MASS_FIELD
 from vllm_dspark.kernels import dispatch
 from vllm_dspark.scheduling.controller import StepInputs, VerificationController
 from vllm_dspark.scheduling.policies import Admission, admit_top_budget
@@ -96,7 +96,8 @@ class DSparkScheduler(Scheduler):
             rows = {req_id: row for row, req_id in enumerate(draft_token_ids.req_ids)}
             self._confidences = (rows, np.asarray(confidences))
         if report is not None:
-            self.controller.observe_drafting(len(draft_token_ids.req_ids), report.depth, report.lm_head_rows, report.seconds)
+            self.controller.observe_drafting(len(draft_token_ids.req_ids), report.depth, report.lm_head_rows, report.seconds,
+                                             report.skipped_for_ngram)
 
     def _choose_proposals(self, drafts: DraftTokenIds, confidences: np.ndarray | None, proposals) -> DraftTokenIds:
         """Each request's drafter block or its n-gram continuation, as the controller
@@ -152,6 +153,7 @@ class DSparkScheduler(Scheduler):
         plan = self.controller.plan_drafting(len(output.num_scheduled_tokens))
         output.num_spec_tokens_to_schedule = plan.depth
         setattr(output, MIN_SURVIVAL_FIELD, plan.min_survival)
+        setattr(output, DRAFTER_SKIP_FIELD, plan.drafter_skip)
         return output
 
     def _step_inputs(self, drafting: list[Request]) -> StepInputs:

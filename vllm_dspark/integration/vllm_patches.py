@@ -15,7 +15,9 @@ reads is in `compat.py`). Each patch is idempotent and applies in every vLLM pro
    report and (hybrid option) each request's n-gram continuation, looked up in the input
    batch's token ids once the step's tokens are in; `propose_draft_token_ids` hands the
    proposer the early-stop survival the scheduler put on the scheduler output
-   (`MIN_SURVIVAL_FIELD`); `execute_model` reads the requests whose drafts are n-gram
+   (`MIN_SURVIVAL_FIELD`) and, where the scheduler's `DrafterSkip` (`DRAFTER_SKIP_FIELD`)
+   finds every request's continuation ahead of the drafter, has it store only the
+   context (the continuations, looked up then on the step's sampled tokens, are reused); `execute_model` reads the requests whose drafts are n-gram
    continuations (`POINT_MASS_FIELD`) and `_get_spec_decode_draft_probs` gives those rows
    the point mass on the proposed token as the rejection sampler's draft distribution.
 6. `EngineArgs.create_engine_config` installs the `DSparkScheduler` for this method,
@@ -51,9 +53,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Literal, Optional, get_args
+from typing import TYPE_CHECKING, Literal, Optional, get_args
 
 from vllm_dspark import METHOD
+
+if TYPE_CHECKING:
+    from vllm_dspark.scheduling.hybrid import NgramProposals
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +149,12 @@ def _patch_model_runner() -> None:
     from vllm.v1.worker import gpu_model_runner
 
     from vllm_dspark.config import PluginOptions
-    from vllm_dspark.integration.outputs import MIN_SURVIVAL_FIELD, POINT_MASS_FIELD, DraftTokenIdsWithConfidence
+    from vllm_dspark.integration.outputs import (
+        DRAFTER_SKIP_FIELD,
+        MIN_SURVIVAL_FIELD,
+        POINT_MASS_FIELD,
+        DraftTokenIdsWithConfidence,
+    )
     from vllm_dspark.integration.proposer import DSparkProposer
     from vllm_dspark.scheduling.hybrid import lookup_continuations
 
@@ -166,9 +176,13 @@ def _patch_model_runner() -> None:
         ngram = None
         if _hybrid_ngram(self):
             batch = self.input_batch
-            rows = [batch.req_id_to_index[req_id] for req_id in drafts.req_ids]
-            ngram = lookup_continuations(batch.token_ids_cpu, batch.num_tokens_no_spec, rows,
-                                         self.num_spec_tokens, self.max_model_len)
+            looked_up, self._vllm_dspark_lookup = getattr(self, "_vllm_dspark_lookup", None), None
+            if looked_up is not None and looked_up[0] == tuple(drafts.req_ids):
+                ngram = looked_up[1]  # found before drafting, on the same tokens
+            else:
+                rows = [batch.req_id_to_index[req_id] for req_id in drafts.req_ids]
+                ngram = lookup_continuations(batch.token_ids_cpu, batch.num_tokens_no_spec, rows,
+                                             self.num_spec_tokens, self.max_model_len)
         return DraftTokenIdsWithConfidence(drafts.req_ids, drafts.draft_token_ids, confidences, report, ngram)
 
     def _hybrid_ngram(runner) -> bool:
@@ -221,12 +235,46 @@ def _patch_model_runner() -> None:
             # The scheduler's early-stop survival for this proposal (it travels on the
             # scheduler output; 0, no early stop, where it did not arrive).
             drafter.min_survival = getattr(scheduler_output, MIN_SURVIVAL_FIELD, 0.0)
+            skip = getattr(scheduler_output, DRAFTER_SKIP_FIELD, None)
+            self._vllm_dspark_lookup = None
+            if skip is not None and drafter.is_dspark and scheduler_output.num_spec_tokens_to_schedule and _hybrid_ngram(self):
+                self._vllm_dspark_lookup = lookup_after_step(self, args[0] if args else kwargs.get("sampled_token_ids"))
+                if self._vllm_dspark_lookup is not None:
+                    greedy = self.input_batch.temperature_cpu[: self.input_batch.num_reqs] == 0.0
+                    drafter.skip_for_ngram = skip.applies(self._vllm_dspark_lookup[1], greedy)
         return original_propose(self, scheduler_output, *args, **kwargs)
 
     runner_cls.take_draft_token_ids = take_draft_token_ids
     runner_cls.propose_draft_token_ids = propose_draft_token_ids
     runner_cls.execute_model = execute_model
     runner_cls._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
+
+
+def lookup_after_step(runner, sampled) -> tuple[tuple[str, ...], NgramProposals] | None:
+    """Every request's n-gram continuation with this step's sampled tokens appended
+    (the drafter runs before vLLM's bookkeeping writes them into the batch), keyed by
+    the batch's request ids; None where some request's tokens are not final yet (a
+    prompt chunk) or the samples are not a tensor."""
+    import numpy as np
+    import torch
+
+    from vllm_dspark.scheduling.hybrid import lookup_continuations
+
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    if not torch.is_tensor(sampled) or not num_reqs or runner.discard_request_mask.np[:num_reqs].any():
+        return None
+    new = sampled[:num_reqs].cpu().numpy()
+    valid = new >= 0  # rejected positions hold a negative placeholder, after the valid ones
+    before = batch.num_tokens_no_spec[:num_reqs].astype(np.int64)
+    lengths = before + valid.sum(axis=1)
+    if lengths.max() > batch.token_ids_cpu.shape[1]:
+        return None
+    tokens = batch.token_ids_cpu[:num_reqs, : int(lengths.max())].copy()
+    rows, cols = np.nonzero(valid)
+    tokens[rows, before[rows] + cols] = new[rows, cols]
+    proposals = lookup_continuations(tokens, lengths, np.arange(num_reqs), runner.num_spec_tokens, runner.max_model_len)
+    return tuple(batch.req_ids[:num_reqs]), proposals
 
 
 def _patch_engine_args() -> None:

@@ -99,6 +99,8 @@ class DraftPlan:
 
     depth: int  # draft positions per request (0: no drafting, only the drafter's context)
     min_survival: float  # a request stops drafting once its prefix survival falls below this
+    # Hybrid: when the worker may leave the drafter out for n-gram continuations (None: never).
+    drafter_skip: hybrid.DrafterSkip | None = None
 
 
 class DraftingCost:
@@ -388,7 +390,7 @@ class VerificationController:
         depth = self.policy.max_draft_depth(self.block)
         if not self.options.adaptive_drafting:
             self.stats.record_plan(depth)
-            return DraftPlan(depth, 0.0)
+            return DraftPlan(depth, 0.0, self._drafter_skip(depth))
         floor = self.policy.min_survival(self.policy_curve, num_requests, self.block)
         known = self.mean_survival is not None and bool(np.isfinite(self._survival_seen_at[:depth]).all())
         if self.policy.adaptive_depth and self.curve is not None and known and num_requests:
@@ -401,7 +403,17 @@ class VerificationController:
             self._verification_vetoed = vetoed and depth == 0
             self.stats.vetoed_steps += int(self._verification_vetoed)
         self.stats.record_plan(depth)
-        return DraftPlan(depth, floor if depth else 0.0)
+        return DraftPlan(depth, floor if depth else 0.0, self._drafter_skip(depth))
+
+    def _drafter_skip(self, depth: int) -> hybrid.DrafterSkip | None:
+        """What the worker needs to leave the drafter out where n-gram continuations win,
+        from earlier steps only: the learned n-gram acceptance and the drafter's expected
+        accepted drafts at this depth from its recent mean survival."""
+        if self.ngram is None or not depth or not self.options.ngram_skips_drafter or self.mean_survival is None:
+            return None
+        expected = hybrid.drafter_expected(self.mean_survival[:1], depth, self.mean_survival)[0]
+        skip = hybrid.DrafterSkip(self.ngram.table(), float(expected))
+        return skip if skip.possible() else None
 
     def _speculation_vetoed(self, num_requests: int) -> bool:
         """Whether the realized-speed check overrules speculating at this load; logs
@@ -446,8 +458,12 @@ class VerificationController:
         step += self.drafting_cost.predict(num_requests, depths)
         return int(np.argmax(tokens / np.maximum(step, 1e-9)))
 
-    def observe_drafting(self, num_requests: int, depth: int, lm_head_rows: int, seconds: float) -> None:
-        """What the last proposal cost (from the drafter's own timing)."""
+    def observe_drafting(
+        self, num_requests: int, depth: int, lm_head_rows: int, seconds: float, skipped_for_ngram: bool = False
+    ) -> None:
+        """What the last proposal cost (from the drafter's own timing); `skipped_for_ngram`:
+        the worker left the drafter out because every request's n-gram continuation won."""
+        self.stats.drafter_skipped_steps += int(skipped_for_ngram)
         if num_requests <= 0 or seconds <= 0.0:
             return
         self.drafting_cost.observe(num_requests, depth, lm_head_rows, seconds)

@@ -95,6 +95,18 @@ def expected_accepted(conditional: np.ndarray) -> np.ndarray:
     return np.cumprod(conditional, axis=1).sum(axis=1)
 
 
+def match_buckets(matches: np.ndarray) -> np.ndarray:
+    """Match lengths -> the buckets their acceptance is learned in."""
+    return np.clip(np.asarray(matches) - MIN_MATCH, 0, MATCH_BUCKETS - 1)
+
+
+def conditional_from_table(table: np.ndarray, matches: np.ndarray, lengths: np.ndarray, greedy: np.ndarray) -> np.ndarray:
+    """[R, width] conditional confidences of n-gram proposals read from a learned
+    [mode, match bucket, position] table (0 beyond each proposal's length)."""
+    rows = table[np.where(greedy, 0, 1), match_buckets(matches)]
+    return np.where(np.arange(table.shape[-1]) < np.asarray(lengths)[:, None], rows, 0.0)
+
+
 @dataclass
 class NgramConfidence:
     """Conditional acceptance of n-gram drafts, per sampling mode, match bucket and
@@ -111,16 +123,13 @@ class NgramConfidence:
         self.accepted = np.zeros(shape)
         self.judged = np.zeros(shape)
 
-    @staticmethod
-    def buckets(matches: np.ndarray) -> np.ndarray:
-        return np.clip(np.asarray(matches) - MIN_MATCH, 0, MATCH_BUCKETS - 1)
+    def table(self) -> np.ndarray:
+        """[mode, match bucket, position] conditional acceptance as learned so far."""
+        return (self.accepted + 1.0) / (self.judged + 2.0)
 
     def conditional(self, matches: np.ndarray, lengths: np.ndarray, greedy: np.ndarray) -> np.ndarray:
         """[R, width] conditional confidences of the proposals (0 beyond their length)."""
-        table = (self.accepted + 1.0) / (self.judged + 2.0)
-        mode = np.where(greedy, 0, 1)
-        rows = table[mode, self.buckets(matches)]
-        return np.where(np.arange(self.width) < np.asarray(lengths)[:, None], rows, 0.0)
+        return conditional_from_table(self.table(), matches, lengths, greedy)
 
     def observe(self, matches: np.ndarray, greedy: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
         """Requests that verified `verified` n-gram drafts and had `accepted` of them
@@ -133,7 +142,7 @@ class NgramConfidence:
         positions = np.arange(self.width)
         judged = positions < np.minimum(verified, accepted + 1)[:, None]
         hits = positions < np.asarray(accepted)[:, None]
-        index = (np.where(greedy, 0, 1), self.buckets(matches))
+        index = (np.where(greedy, 0, 1), match_buckets(matches))
         np.add.at(self.judged, index, judged)
         np.add.at(self.accepted, index, hits & judged)
 
@@ -152,7 +161,41 @@ def prefer_ngram(
     ngram = expected_accepted(ngram_conditional)
     if drafted_depth == 0:
         return ngram > 0.0
+    return ngram > drafter_expected(first_confidence, drafted_depth, mean_survival)
+
+
+def drafter_expected(first_confidence: np.ndarray, drafted_depth: int, mean_survival: np.ndarray | None) -> np.ndarray:
+    """[R] expected accepted drafts of the drafter's block: its first confidence times the
+    shape of its recent mean prefix survival over the depth (positions 2.. relative to 1)."""
     shape = np.ones(1)
     if mean_survival is not None and mean_survival[0] > 0.0:
         shape = np.minimum(mean_survival[:drafted_depth] / mean_survival[0], 1.0)
-    return ngram > np.asarray(first_confidence) * shape.sum()
+    return np.asarray(first_confidence) * shape.sum()
+
+
+@dataclass(frozen=True)
+class DrafterSkip:
+    """The scheduler's word to the worker on leaving the drafter out of a step: the
+    worker looks up every request's continuation once the step's tokens are sampled, and
+    when each of them expects more accepted drafts than the drafter's block would, it
+    only stores the drafter's context (the choice would then take every n-gram anyway,
+    and the drafter's forward pass is most of a drafting step's cost).
+
+    The drafter's side here is its recent mean first confidence times the survival
+    shape (`drafter_expected`), not this step's c_1, which exists only after the drafter
+    ran. The decision reads the context and earlier steps only, never a draw, so
+    verification stays exact (module docstring)."""
+
+    table: np.ndarray  # [mode, match bucket, position] learned n-gram acceptance
+    drafter_expected: float  # the drafter's expected accepted drafts at the planned depth
+
+    def possible(self) -> bool:
+        """Whether any continuation could beat the drafter (else the lookup is not worth it)."""
+        return bool(np.cumprod(self.table, axis=-1).sum(axis=-1).max() > self.drafter_expected)
+
+    def applies(self, proposals: NgramProposals, greedy: np.ndarray) -> bool:
+        """True where every request has a continuation expected to beat the drafter."""
+        if not len(proposals.lengths) or not (proposals.lengths > 0).all():
+            return False
+        conditional = conditional_from_table(self.table, proposals.matches, proposals.lengths, greedy)
+        return bool((expected_accepted(conditional) > self.drafter_expected).all())

@@ -43,6 +43,8 @@ class DSparkStats:
     vetoed_steps: int = 0
     # The part of proposed / verified / accepted that came from n-gram lookups (hybrid).
     ngram_proposed: int = 0
+    # Steps the worker left the drafter out because every request's n-gram continuation won.
+    drafter_skipped_steps: int = 0
     ngram_verified: int = 0
     ngram_accepted: int = 0
 
@@ -92,7 +94,8 @@ class DSparkStats:
             f"{self.draft_depth_counts} (index = depth), {self.lm_head_rows} LM-head rows, "
             f"{self.drafting_seconds:.1f} s drafting, {self.vetoed_steps} steps not speculating on measured losses"
             + (f", n-gram drafts proposed {self.ngram_proposed}, verified {self.ngram_verified}, "
-               f"accepted {self.ngram_accepted}" if self.ngram_proposed else "")
+               f"accepted {self.ngram_accepted}, drafter left out on {self.drafter_skipped_steps} steps"
+               if self.ngram_proposed else "")
             + "".join(
                 f", {mode} confidence recalibration: slopes {[round(x, 2) for x in self.confidence_slopes[mode]]} "
                 f"shifts {[round(x, 2) for x in shifts]}"
