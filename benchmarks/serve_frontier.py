@@ -94,7 +94,8 @@ def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str 
         "dspark, no realized-speed check": dspark(policy="dspark", **curve, check_realized_speed=False),
         "dspark_async": dspark(policy="dspark_async", **curve),
         "dspark + n-gram": dspark(policy="dspark", **curve, hybrid_ngram=True),
-        "dspark + n-gram, drafter every step": dspark(policy="dspark", **curve, hybrid_ngram=True, ngram_skips_drafter=False),
+        "dspark + n-gram, drafter left out for n-gram": dspark(policy="dspark", **curve, hybrid_ngram=True,
+                                                               ngram_skips_drafter=True),
         "sla, 8 tok/s floor": dspark(policy="sla", **curve, min_tokens_per_s=8.0),
         "sla, 16 tok/s floor": dspark(policy="sla", **curve, min_tokens_per_s=16.0),
     } | ({} if reduced is None else {
@@ -249,7 +250,7 @@ def plugin_stats(llm) -> dict | None:
     return {"steps": sum(stats.draft_depth_counts), "depths": list(stats.draft_depth_counts),
             "lm_head_rows": stats.lm_head_rows, "drafting_seconds": stats.drafting_seconds,
             "step_time_scale": stats.step_time_scale, "step_overhead_ms": stats.step_overhead_ms,
-            "vetoed_steps": stats.vetoed_steps}
+            "vetoed_steps": stats.vetoed_steps, "drafter_skipped_steps": stats.drafter_skipped_steps}
 
 
 def plugin_delta(before: dict | None, after: dict | None) -> dict:
@@ -263,7 +264,8 @@ def plugin_delta(before: dict | None, after: dict | None) -> dict:
     return {
         "engine_steps": steps,
         "steps_without_drafting": depths[0] / steps if depths else 0.0,
-        "steps_vetoed": (after.get("vetoed_steps", 0) - before.get("vetoed_steps", 0)) / steps,
+        "steps_vetoed": (after["vetoed_steps"] - before["vetoed_steps"]) / steps,
+        "steps_drafter_left_out_for_ngram": (after["drafter_skipped_steps"] - before["drafter_skipped_steps"]) / steps,
         "mean_draft_depth": sum(d * n for d, n in enumerate(depths)) / steps,
         "lm_head_rows_per_step": (after["lm_head_rows"] - before["lm_head_rows"]) / steps,
         "drafting_ms_per_step": 1000.0 * (after["drafting_seconds"] - before["drafting_seconds"]) / steps,

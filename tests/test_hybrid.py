@@ -208,19 +208,29 @@ def test_drafter_skip_needs_every_request_ahead_of_the_drafter() -> None:
     assert not hybrid.DrafterSkip(table, drafter_expected=3.5).possible()
 
 
-def test_the_plan_carries_the_skip_only_where_it_can_apply() -> None:
-    ctrl = controller()
-    assert ctrl.plan_drafting(1).drafter_skip is None, "nothing known of the drafter yet"
+def with_drafter_and_ngram_learned(ctrl: VerificationController) -> VerificationController:
     ctrl.mean_survival = np.array([0.4, 0.2, 0.1, 0.05])
     ctrl._survival_seen_at[:] = 0.0
     learned_table(ctrl, match=6, accepted_of_4=4)
+    return ctrl
+
+
+def test_the_plan_carries_the_skip_only_where_it_can_apply() -> None:
+    assert controller(ngram_skips_drafter=True).plan_drafting(1).drafter_skip is None, "nothing known of the drafter yet"
+    assert with_drafter_and_ngram_learned(controller()).plan_drafting(1).drafter_skip is None, "off by default"
+    ctrl = with_drafter_and_ngram_learned(controller(ngram_skips_drafter=True))
     plan = ctrl.plan_drafting(1)
     assert plan.depth > 0 and plan.drafter_skip is not None
-    assert plan.drafter_skip.drafter_expected == pytest.approx(ctrl.mean_survival[: plan.depth].sum())
-    assert controller(ngram_skips_drafter=False).plan_drafting(1).drafter_skip is None
-    weak = controller()
+    # The most the drafter's block brings under the choice's own model (c_1 = 1): a
+    # continuation that beats it is taken whatever this step's c_1.
+    shape = ctrl.mean_survival[: plan.depth] / ctrl.mean_survival[0]
+    assert plan.drafter_skip.drafter_expected == pytest.approx(shape.sum())
+    proposals = hybrid.NgramProposals(np.ones((1, 4), dtype=np.int64), np.array([4]), np.array([6]))
+    assert plan.drafter_skip.applies(proposals, np.array([True]))
+    assert ctrl.prefer_ngram(np.array([1.0]), np.array([True]), proposals, plan.depth).all()
+    weak = controller(ngram_skips_drafter=True)
     weak.mean_survival, weak._survival_seen_at[:] = np.array([0.99, 0.98, 0.97, 0.96]), 0.0
-    learned_table(weak, match=6, accepted_of_4=0)  # n-gram drafts never survive: no skip possible
+    learned_table(weak, match=6, accepted_of_4=1)  # about one of four: never beats the drafter's best
     assert weak.plan_drafting(1).drafter_skip is None
 
 

@@ -208,9 +208,10 @@ class PluginOptions(BaseModel):
     # tokens and ranks both sources under one budget (scheduling/hybrid.py).
     hybrid_ngram: bool = True
     # Hybrid: the worker leaves the drafter out of a step where every request's n-gram
-    # continuation expects more accepted drafts than the drafter's recent blocks
-    # (scheduling/hybrid.py, DrafterSkip).
-    ngram_skips_drafter: bool = True
+    # continuation beats the best the drafter's block could bring (scheduling/hybrid.py,
+    # DrafterSkip). Off by default: measured on SmolLM2 it fired on 6-11% of the steps and
+    # gained nothing beyond the waves' spread (benchmarks/results/ngram_skip_ab/).
+    ngram_skips_drafter: bool = False
     # With adaptive drafting: stop speculating at a load where speculative steps have
     # measurably realized less per-request speed than plain steps there, whatever the
     # model predicts (probes go on; scheduling/realized.py).

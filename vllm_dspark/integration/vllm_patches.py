@@ -17,9 +17,10 @@ reads is in `compat.py`). Each patch is idempotent and applies in every vLLM pro
    proposer the early-stop survival the scheduler put on the scheduler output
    (`MIN_SURVIVAL_FIELD`) and, where the scheduler's `DrafterSkip` (`DRAFTER_SKIP_FIELD`)
    finds every request's continuation ahead of the drafter, has it store only the
-   context (the continuations, looked up then on the step's sampled tokens, are reused); `execute_model` reads the requests whose drafts are n-gram
-   continuations (`POINT_MASS_FIELD`) and `_get_spec_decode_draft_probs` gives those rows
-   the point mass on the proposed token as the rejection sampler's draft distribution.
+   context (the continuations, looked up then on the step's sampled tokens, are
+   reused); `execute_model` reads the requests whose drafts are n-gram continuations
+   (`POINT_MASS_FIELD`) and `_get_spec_decode_draft_probs` gives those rows the point
+   mass on the proposed token as the rejection sampler's draft distribution.
 6. `EngineArgs.create_engine_config` installs the `DSparkScheduler` for this method,
    validates the plugin options at start-up and, if asked, profiles SPS(B) before the
    engine starts.
@@ -236,7 +237,7 @@ def _patch_model_runner() -> None:
             # scheduler output; 0, no early stop, where it did not arrive).
             drafter.min_survival = getattr(scheduler_output, MIN_SURVIVAL_FIELD, 0.0)
             skip = getattr(scheduler_output, DRAFTER_SKIP_FIELD, None)
-            self._vllm_dspark_lookup = None
+            self._vllm_dspark_lookup, drafter.skip_for_ngram = None, False
             if skip is not None and drafter.is_dspark and scheduler_output.num_spec_tokens_to_schedule and _hybrid_ngram(self):
                 self._vllm_dspark_lookup = lookup_after_step(self, args[0] if args else kwargs.get("sampled_token_ids"))
                 if self._vllm_dspark_lookup is not None:

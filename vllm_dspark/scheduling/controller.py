@@ -406,12 +406,12 @@ class VerificationController:
         return DraftPlan(depth, floor if depth else 0.0, self._drafter_skip(depth))
 
     def _drafter_skip(self, depth: int) -> hybrid.DrafterSkip | None:
-        """What the worker needs to leave the drafter out where n-gram continuations win,
-        from earlier steps only: the learned n-gram acceptance and the drafter's expected
-        accepted drafts at this depth from its recent mean survival."""
+        """What the worker needs to leave the drafter out where n-gram continuations win
+        whatever the drafter's c_1, from earlier steps only: the learned n-gram acceptance
+        and what the drafter's block brings at this depth with c_1 = 1 (hybrid.DrafterSkip)."""
         if self.ngram is None or not depth or not self.options.ngram_skips_drafter or self.mean_survival is None:
             return None
-        expected = hybrid.drafter_expected(self.mean_survival[:1], depth, self.mean_survival)[0]
+        expected = hybrid.drafter_expected(np.ones(1), depth, self.mean_survival)[0]
         skip = hybrid.DrafterSkip(self.ngram.table(), float(expected))
         return skip if skip.possible() else None
 

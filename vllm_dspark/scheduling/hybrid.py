@@ -177,17 +177,20 @@ def drafter_expected(first_confidence: np.ndarray, drafted_depth: int, mean_surv
 class DrafterSkip:
     """The scheduler's word to the worker on leaving the drafter out of a step: the
     worker looks up every request's continuation once the step's tokens are sampled, and
-    when each of them expects more accepted drafts than the drafter's block would, it
-    only stores the drafter's context (the choice would then take every n-gram anyway,
-    and the drafter's forward pass is most of a drafting step's cost).
+    where each of them expects more accepted drafts than the drafter's block could at
+    best (`drafter_expected` with c_1 = 1), it only stores the drafter's context. There
+    `prefer_ngram` would take every continuation whatever this step's c_1 (the survival
+    estimate it reads may move by one step's update in between), so the skip only
+    anticipates the choice and saves the drafter's forward pass, most of a drafting
+    step's cost. (Measured: comparing with the recent mean c_1 instead skipped where a
+    confident drafter would have won, and lost more accepted tokens than it saved;
+    benchmarks/results/ngram_skip_ab/.)
 
-    The drafter's side here is its recent mean first confidence times the survival
-    shape (`drafter_expected`), not this step's c_1, which exists only after the drafter
-    ran. The decision reads the context and earlier steps only, never a draw, so
+    The decision reads the context and earlier steps only, never a draw, so
     verification stays exact (module docstring)."""
 
     table: np.ndarray  # [mode, match bucket, position] learned n-gram acceptance
-    drafter_expected: float  # the drafter's expected accepted drafts at the planned depth
+    drafter_expected: float  # the most the drafter's block can be expected to bring at the planned depth
 
     def possible(self) -> bool:
         """Whether any continuation could beat the drafter (else the lookup is not worth it)."""
