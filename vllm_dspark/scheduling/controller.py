@@ -59,7 +59,6 @@ import numpy as np
 from vllm_dspark.config import PluginOptions
 from vllm_dspark.scheduling import hybrid
 from vllm_dspark.scheduling.overhead import StepTimeModel, applied_model
-from vllm_dspark.scheduling.realized import RealizedSpeed, StepRecord, load_bucket
 from vllm_dspark.scheduling.policies import (
     Admission,
     FixedPolicy,
@@ -70,6 +69,7 @@ from vllm_dspark.scheduling.policies import (
     policy_from_options,
 )
 from vllm_dspark.scheduling.ranking import SpsFunction
+from vllm_dspark.scheduling.realized import RealizedSpeed, StepRecord, load_bucket
 from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
 from vllm_dspark.scheduling.sps import SpsCurve
 from vllm_dspark.scheduling.stats import DSparkStats
