@@ -336,12 +336,12 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
             ratio = f"{row['per_user_tok_s'] / base['per_user_tok_s']:.2f}x" if base else "-"
             decode = row.get("decode_tok_s_per_user", float("nan"))
             decode_ratio = f"{decode / base['decode_tok_s_per_user']:.2f}x" if base and "decode_tok_s_per_user" in base else "-"
-            drafting = (f"{row['steps_without_drafting']:.0%} ({row.get('steps_vetoed', 0.0):.0%}) | {row['mean_draft_depth']:.2f} "
+            drafting = (f"{row['steps_without_drafting']:.0%} ({row['steps_vetoed']:.0%}) | {row['mean_draft_depth']:.2f} "
                         f"| {row['drafting_ms_per_step']:.1f}"
                         if "mean_draft_depth" in row else "- | - | -")
             model = (f"{row['step_time_scale']:.2f} x profile {row['step_overhead_ms']:+.1f} ms"
                      if "step_time_scale" in row else "-")
-            timing = f"{row.get('slowest_decode_tok_s', float('nan')):.2f} | {row.get('first_token_s', float('nan')):.3f}"
+            timing = f"{row['slowest_decode_tok_s']:.2f} | {row['first_token_s']:.3f}"
             predicted = predicted_speedup(row, curve)
             predicted_text = "-" if predicted is None else f"{predicted:.2f}x"
             lines.append(

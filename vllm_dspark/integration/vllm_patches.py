@@ -238,7 +238,8 @@ def _patch_model_runner() -> None:
             drafter.min_survival = getattr(scheduler_output, MIN_SURVIVAL_FIELD, 0.0)
             skip = getattr(scheduler_output, DRAFTER_SKIP_FIELD, None)
             self._vllm_dspark_lookup, drafter.skip_for_ngram = None, False
-            if skip is not None and drafter.is_dspark and scheduler_output.num_spec_tokens_to_schedule and _hybrid_ngram(self):
+            # (The scheduler sends a skip only with the hybrid lookup on.)
+            if skip is not None and drafter.is_dspark and scheduler_output.num_spec_tokens_to_schedule:
                 self._vllm_dspark_lookup = lookup_after_step(self, args[0] if args else kwargs.get("sampled_token_ids"))
                 if self._vllm_dspark_lookup is not None:
                     greedy = self.input_batch.temperature_cpu[: self.input_batch.num_reqs] == 0.0

@@ -69,7 +69,7 @@ from vllm_dspark.scheduling.policies import (
     policy_from_options,
 )
 from vllm_dspark.scheduling.ranking import SpsFunction
-from vllm_dspark.scheduling.realized import RealizedSpeed, StepRecord, load_bucket
+from vllm_dspark.scheduling.realized import RealizedSpeed, StepRecord
 from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
 from vllm_dspark.scheduling.sps import SpsCurve
 from vllm_dspark.scheduling.stats import DSparkStats
@@ -234,13 +234,12 @@ class VerificationController:
         # (start time, tokens in the pass, its record for the realized-speed check) of the
         # decode step in flight; None: not timed
         self._previous_step: tuple[float, int, StepRecord | None] | None = None
-        # The measured check on speculating (None: off, or steps cannot be timed), the
-        # loads it currently overrules and whether it blocks the next step's verification.
+        # The measured check on speculating (None: off, or steps cannot be timed) and
+        # whether it blocks the next step's verification.
         self.realized = (
             RealizedSpeed() if options.check_realized_speed and options.adaptive_drafting and can_time_steps
             and curve is not None else None
         )
-        self._vetoed_loads: set[int] = set()
         self._verification_vetoed = False
         # This step's decision with its prefix survival, raw confidences, greedy mask and
         # n-gram match lengths.
@@ -330,13 +329,13 @@ class VerificationController:
         step-time model (the profile times decode passes; see scheduling/overhead.py).
         `num_requests` in the pass (0: unknown) keys the realized-speed check."""
         timed = bool(total_tokens) and not prefill_tokens
-        decision = self._decision
-        self._decision = None
+        decision, self._decision = self._decision, None
         verified = np.zeros(0, dtype=np.int64)
         if decision is not None:
-            verified = decision[0].verified
+            decided, survival, raw, greedy, matches = decision
+            verified = decided.verified
             if scheduled_drafts is not None:
-                verified = np.minimum(verified, [scheduled_drafts.get(r, 0) for r in decision[0].req_ids])
+                verified = np.minimum(verified, [scheduled_drafts.get(r, 0) for r in decided.req_ids])
         record = None
         if self.realized is not None and timed and num_requests > 0:
             assert self.curve is not None
@@ -345,7 +344,6 @@ class VerificationController:
                                 tokens=None if verifies else num_requests)
         pending = None
         if decision is not None:
-            decided, survival, raw, greedy, matches = decision
             predicted = np.where(np.arange(survival.shape[1]) < verified[:, None], survival, 0.0).sum(axis=1)
             self.stats.record_decision(decided.proposed, verified, matches > 0)
             pending = _Pending(decided.req_ids, raw, greedy, verified, predicted, matches, record)
@@ -394,7 +392,7 @@ class VerificationController:
         floor = self.policy.min_survival(self.policy_curve, num_requests, self.block)
         known = self.mean_survival is not None and bool(np.isfinite(self._survival_seen_at[:depth]).all())
         if self.policy.adaptive_depth and self.curve is not None and known and num_requests:
-            vetoed = self._speculation_vetoed(num_requests)
+            vetoed = self.realized is not None and self.realized.vetoes(num_requests)
             best = self._best_depth(num_requests, depth)
             probe = self._probed_depth(0 if vetoed else best, depth)
             # A probe under the veto tests what the model would draft.
@@ -414,23 +412,6 @@ class VerificationController:
         expected = hybrid.drafter_expected(np.ones(1), depth, self.mean_survival)[0]
         skip = hybrid.DrafterSkip(self.ngram.table(), float(expected))
         return skip if skip.possible() else None
-
-    def _speculation_vetoed(self, num_requests: int) -> bool:
-        """Whether the realized-speed check overrules speculating at this load; logs
-        each change of its verdict with the gains that made it."""
-        if self.realized is None:
-            return False
-        gain, error, count = self.realized.gain(num_requests) or (float("nan"), 0.0, 0.0)
-        vetoed = self.realized.vetoes(num_requests)
-        bucket = load_bucket(num_requests)
-        if vetoed != (bucket in self._vetoed_loads):
-            logger.info(
-                "vllm_dspark: at %d-%d requests recent speculative steps realized %.2fx (+- %.2f, %.0f steps) the "
-                "per-request speed of plain ones: %s", 2**bucket, 2 ** (bucket + 1) - 1, gain, error, count,
-                "plain decoding, probing now and then" if vetoed else "speculating as the model decides",
-            )
-            (self._vetoed_loads.add if vetoed else self._vetoed_loads.discard)(bucket)
-        return vetoed
 
     def _probed_depth(self, best: int, max_depth: int) -> int:
         """`best`, or a probe of it once every `PROBE_INTERVAL` steps, less often while

@@ -194,7 +194,7 @@ class DrafterSkip:
 
     def possible(self) -> bool:
         """Whether any continuation could beat the drafter (else the lookup is not worth it)."""
-        return bool(np.cumprod(self.table, axis=-1).sum(axis=-1).max() > self.drafter_expected)
+        return bool(expected_accepted(self.table.reshape(-1, self.table.shape[-1])).max() > self.drafter_expected)
 
     def applies(self, proposals: NgramProposals, greedy: np.ndarray) -> bool:
         """True where every request has a continuation expected to beat the drafter."""

@@ -27,9 +27,12 @@ steps enter, so outputs stay exact, as with every other input of the decision.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 # Weight of the older gains at each new speculative step of a bucket (about 20 recent
 # steps decide) and of the older reference at each new plain step.
@@ -118,8 +121,10 @@ class RealizedSpeed:
 
     def vetoes(self, num_requests: int) -> bool:
         """The verdict at this load, updated from the gains since it last changed: True
-        where speculating has measurably realized less than plain decoding."""
-        bucket = self._buckets.get(load_bucket(num_requests))
+        where speculating has measurably realized less than plain decoding. Each change
+        is logged with the gains that made it."""
+        index = load_bucket(num_requests)
+        bucket = self._buckets.get(index)
         measured = self.gain(num_requests)
         if bucket is None or measured is None:
             return bucket is not None and bucket.vetoed
@@ -130,5 +135,10 @@ class RealizedSpeed:
             changed = count >= MIN_SPECULATIVE_STEPS and mean + CONFIDENCE * error < 1.0
         if changed:
             bucket.vetoed = not bucket.vetoed
+            logger.info(
+                "vllm_dspark: at %d-%d requests recent speculative steps realized %.2fx (+- %.2f, %.0f steps) the "
+                "per-request speed of plain ones: %s", 2**index, 2 ** (index + 1) - 1, mean, error, count,
+                "plain decoding, probing now and then" if bucket.vetoed else "speculating as the model decides",
+            )
             bucket.weight = bucket.weight_sq = bucket.gain_sum = bucket.gain_sq_sum = 0.0
         return bucket.vetoed
