@@ -59,6 +59,8 @@ STEP = ("gpu_model_runner.py", "execute_model")
 ROWS: list[tuple[str, str, str]] = [
     ("no-spec", "served", "no-spec"),
     ("never drafting (fixed k=0): the speculative path's floor", "served", "never drafting (fixed k=0)"),
+    ("never drafting, plain steps as before (context every step, rejection sampler)", "served",
+     "never drafting, plain steps as before"),
     ("full vocabulary, drafting all K (where it started)", "full", "dspark, drafting all K"),
     ("full vocabulary, adaptive drafting", "full", "dspark"),
     ("{vocab}-word vocabulary, drafting all K", "served", "dspark, drafting all K"),

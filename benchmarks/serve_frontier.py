@@ -73,6 +73,11 @@ def eval_prompts(count: int, prompt_set: str = "mixed") -> list[list[dict]]:
     return [[{"role": "user", "content": text}] for text in mixed[:count]]
 
 
+# Steps that draft nothing as they ran before the lean plain step: the context K/V written
+# every step, vLLM's rejection sampler over zero drafts.
+PLAIN_STEPS_AS_BEFORE = {"defer_context": False, "plain_sampling_without_drafts": False}
+
+
 def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str | None = None) -> dict[str, dict]:
     """Every row the script can run. Rows other than the `+ n-gram` ones switch the hybrid
     proposals off, so they measure the drafter alone (fixed k=1 is the MTP-1 analogue)."""
@@ -86,14 +91,18 @@ def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str 
         "no-spec": {},
         "ngram-k3": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
         "never drafting (fixed k=0)": dspark(policy="fixed", k=0),
+        "never drafting, plain steps as before": dspark(policy="fixed", k=0, **PLAIN_STEPS_AS_BEFORE),
         "fixed-k1 (MTP-1-like)": dspark(policy="fixed", k=1),
         "fixed-k3": dspark(policy="fixed", k=3),
         f"fixed-k{k}": dspark(policy="fixed"),
         "dspark": dspark(policy="dspark", **curve),
         "dspark, drafting all K": dspark(policy="dspark", **curve, adaptive_drafting=False),
         "dspark, no realized-speed check": dspark(policy="dspark", **curve, check_realized_speed=False),
+        "dspark, plain steps as before": dspark(policy="dspark", **curve, **PLAIN_STEPS_AS_BEFORE),
         "dspark_async": dspark(policy="dspark_async", **curve),
         "dspark + n-gram": dspark(policy="dspark", **curve, hybrid_ngram=True),
+        "dspark + n-gram, plain steps as before": dspark(policy="dspark", **curve, hybrid_ngram=True,
+                                                         **PLAIN_STEPS_AS_BEFORE),
         "dspark + n-gram, drafter left out for n-gram": dspark(policy="dspark", **curve, hybrid_ngram=True,
                                                                ngram_skips_drafter=True),
         "sla, 8 tok/s floor": dspark(policy="sla", **curve, min_tokens_per_s=8.0),

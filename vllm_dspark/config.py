@@ -216,6 +216,12 @@ class PluginOptions(BaseModel):
     # measurably realized less per-request speed than plain steps there, whatever the
     # model predicts (probes go on; scheduling/realized.py).
     check_realized_speed: bool = True
+    # A step that drafts nothing queues its context K/V, written in one batch before the
+    # drafter next drafts (integration/deferred_context.py); false writes it every step.
+    defer_context: bool = True
+    # A step where no request verifies drafts samples as a plain engine does (vLLM's
+    # sampler, not its rejection sampler over zero drafts); false keeps vLLM's path.
+    plain_sampling_without_drafts: bool = True
     log_interval_s: float = Field(default=10.0, gt=0)
 
     @model_validator(mode="after")

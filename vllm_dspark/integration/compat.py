@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from itertools import islice
 from typing import Any
 
+from vllm_dspark.integration.deferred_context import ContextRows
+
 logger = logging.getLogger(__name__)
 
 # The vLLM releases this plugin was written and tested for: [first, last], major.minor.
@@ -123,7 +125,7 @@ def dflash_proposer_base() -> type:
         def sample_block(self, hidden_states: Any, sampling_metadata: Any) -> Any:
             return DFlashProposer._sample_draft_tokens(self, hidden_states, sampling_metadata)
 
-        def store_context_only(
+        def step_context(
             self,
             target_token_ids: Any,
             target_positions: Any,
@@ -133,22 +135,32 @@ def dflash_proposer_base() -> type:
             common_attn_metadata: Any,
             num_rejected_tokens_gpu: Any = None,
             **unused: Any,  # sampling metadata, multimodal inputs, slot mappings
-        ) -> None:
-            """A step that drafts nothing: only the first part of vLLM's `propose` (the
-            target's new hidden states become context K/V in the drafter's cache, so later
-            drafts still see the whole context), without the drafter's forward pass."""
+        ) -> ContextRows:
+            """A step that drafts nothing: where the first part of vLLM's `propose` puts
+            the target's new states in the drafter's cache (positions and slots), without
+            computing their K/V (`write_context` does, later) or the drafter's forward."""
             self.num_speculative_tokens = 0
             self._last_draft_probs = None
-            hidden = self.model.combine_hidden_states(target_hidden_states)
-            num_tokens, _, _ = self.set_inputs_first_pass(
+            self.set_inputs_first_pass(
                 target_token_ids=target_token_ids,
                 next_token_ids=next_token_ids,
                 target_positions=target_positions,
-                target_hidden_states=hidden,
+                target_hidden_states=target_hidden_states,
                 token_indices_to_sample=token_indices_to_sample,
                 cad=common_attn_metadata,
                 num_rejected_tokens_gpu=num_rejected_tokens_gpu,
             )
-            self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
+            num_context = self._dflash_num_context
+            return ContextRows(
+                target_hidden_states[:num_context],
+                self._context_positions_buffer[:num_context].clone(),
+                self._context_slot_mapping_buffer[:num_context].clone(),
+            )
+
+        def write_context(self, rows: ContextRows) -> None:
+            """The drafter's context K/V of `rows`, into its cache (vLLM's own pass)."""
+            self.model.precompute_and_store_context_kv(
+                self.model.combine_hidden_states(rows.hidden_states), rows.positions, rows.slots
+            )
 
     return ParallelDrafterProposer

@@ -20,7 +20,9 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_dspark import METHOD
+from vllm_dspark.config import PluginOptions
 from vllm_dspark.integration.compat import dflash_proposer_base
+from vllm_dspark.integration.deferred_context import DeferredContext
 from vllm_dspark.integration.outputs import DraftReport
 from vllm_dspark.kernels import dispatch
 from vllm_dspark.model.heads import DraftOutput, MarkovHead, draft_seeds, sequential_draft
@@ -47,11 +49,15 @@ class DSparkProposer(dflash_proposer_base()):
         self._confidences_ready: torch.cuda.Event | None = None
         self._report: DraftReport | None = None
         self._timer = DraftTimer(device)
+        options = PluginOptions.from_additional_config(vllm_config.additional_config)
+        # Context K/V of steps that draft nothing, written before the next draft (None:
+        # written every step).
+        self._deferred = DeferredContext() if options.defer_context else None
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor:
         """vLLM's proposal, timed; with 0 tokens asked for (the scheduler decided not to
-        draft) or the n-gram skip set, only the context K/V is stored, without the
-        drafter's forward pass."""
+        draft) or the n-gram skip set, only the context is stored (queued where deferred),
+        without the drafter's forward pass."""
         if not self.is_dspark:
             return super().propose(num_speculative_tokens, *args, **kwargs)
         skipped, self.skip_for_ngram = self.skip_for_ngram and num_speculative_tokens > 0, False
@@ -60,12 +66,26 @@ class DSparkProposer(dflash_proposer_base()):
         self._timer.start()
         self._report = DraftReport(depth=num_speculative_tokens, skipped_for_ngram=skipped)
         if num_speculative_tokens == 0:
-            self.store_context_only(*args, **kwargs)
+            self._store_context(self.step_context(*args, **kwargs))
             drafts = torch.empty(kwargs["common_attn_metadata"].batch_size(), 0, dtype=torch.int64, device=self.device)
         else:
+            self._write_deferred_context()
             drafts = super().propose(num_speculative_tokens, *args, **kwargs)
         self._timer.stop()
         return drafts
+
+    def _store_context(self, rows) -> None:
+        if self._deferred is None:
+            self.write_context(rows)
+            return
+        self._deferred.add(rows)
+        if self._deferred.full:
+            self._write_deferred_context()
+
+    def _write_deferred_context(self) -> None:
+        rows = None if self._deferred is None else self._deferred.take()
+        if rows is not None:
+            self.write_context(rows)
 
     def set_inputs_first_pass(
         self,

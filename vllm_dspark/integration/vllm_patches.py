@@ -47,6 +47,11 @@ reads is in `compat.py`). Each patch is idempotent and applies in every vLLM pro
    speculation). `_sample` now snapshots those generators' states and
    `_bookkeeping_sync` restores them, which undoes the discarded draw as the rewind does
    on CUDA, and hides them from the rewind.
+13. `GPUModelRunner._prepare_inputs` returns no speculative metadata for a step in which
+   no request verifies drafts (our method only, option `plain_sampling_without_drafts`):
+   vLLM 0.32 builds it whenever speculation is configured, so such a step still ran the
+   rejection sampler over zero drafts and the padded drafter inputs; now it samples and
+   hands the drafter its states as the runner's plain path does (same logits rows).
 """
 
 from __future__ import annotations
@@ -186,11 +191,39 @@ def _patch_model_runner() -> None:
                                              self.num_spec_tokens, self.max_model_len)
         return DraftTokenIdsWithConfidence(drafts.req_ids, drafts.draft_token_ids, confidences, report, ngram)
 
+    def _options(runner) -> PluginOptions:
+        if not hasattr(runner, "_vllm_dspark_options"):
+            runner._vllm_dspark_options = PluginOptions.from_additional_config(runner.vllm_config.additional_config)
+        return runner._vllm_dspark_options
+
     def _hybrid_ngram(runner) -> bool:
-        if not hasattr(runner, "_vllm_dspark_hybrid"):
-            options = PluginOptions.from_additional_config(runner.vllm_config.additional_config)
-            runner._vllm_dspark_hybrid = options.hybrid_ngram
-        return runner._vllm_dspark_hybrid
+        return _options(runner).hybrid_ngram
+
+    def _samples_plainly_without_drafts(runner) -> bool:
+        """Our method, the option on, and no recurrent layers (vLLM keeps zero-draft
+        decode rows speculative for those: they read state at the speculative offset)."""
+        if not hasattr(runner, "_vllm_dspark_plain_sampling"):
+            spec_config = runner.speculative_config
+            runner._vllm_dspark_plain_sampling = (
+                spec_config is not None and spec_config.method == METHOD
+                and _options(runner).plain_sampling_without_drafts
+                and not runner.model_config.has_inner_state
+            )
+        return runner._vllm_dspark_plain_sampling
+
+    original_prepare_inputs = runner_cls._prepare_inputs
+
+    @functools.wraps(original_prepare_inputs)
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        """Without a draft in the step, no speculative metadata: the step then samples and
+        hands its states to the drafter as a plain engine's step would (the logits rows are
+        the same: each request's last token)."""
+        logits_indices, spec_decode_metadata, max_num_sampled = original_prepare_inputs(
+            self, scheduler_output, *args, **kwargs)
+        if (spec_decode_metadata is not None and not scheduler_output.scheduled_spec_decode_tokens
+                and _samples_plainly_without_drafts(self)):
+            spec_decode_metadata = None
+        return logits_indices, spec_decode_metadata, max_num_sampled
 
     original_execute = runner_cls.execute_model
 
@@ -250,6 +283,7 @@ def _patch_model_runner() -> None:
     runner_cls.propose_draft_token_ids = propose_draft_token_ids
     runner_cls.execute_model = execute_model
     runner_cls._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
+    runner_cls._prepare_inputs = _prepare_inputs
 
 
 def lookup_after_step(runner, sampled) -> tuple[tuple[str, ...], NgramProposals] | None:

@@ -105,8 +105,9 @@ class DraftPlan:
 
 class DraftingCost:
     """Drafting seconds per step ~ w . [R, [d > 0], R * d, LM-head rows], fitted online by
-    recursive least squares with forgetting: the context pass costs per request (it runs
-    at d = 0 too), the drafter's forward pass a fixed price once it runs at all (launches,
+    recursive least squares with forgetting: the context pass costs per request (at
+    d = 0 it is only queued, and the next drafting step writes the queue: the fixed term
+    takes that in), the drafter's forward pass a fixed price once it runs at all (launches,
     metadata, the host side) plus a price per query token, the LM head per computed row.
 
     The fixed term is what a CPU shows at one request: 1 ms for the context pass alone and
