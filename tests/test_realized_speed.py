@@ -9,7 +9,7 @@ import pytest
 from tests.test_step_time_model import STARTUP_CURVE, serve
 from vllm_dspark.config import PluginOptions
 from vllm_dspark.scheduling.controller import StepInputs, VerificationController
-from vllm_dspark.scheduling.realized import MIN_SPECULATIVE_STEPS, RealizedSpeed, StepRecord, load_bucket
+from vllm_dspark.scheduling.realized import MIN_SPECULATIVE_STEPS, PROBE_STEPS, RealizedSpeed, StepRecord, load_bucket
 
 
 def record(requests: int, seconds: float, tokens: int, verified: bool = True, drafting_s: float = 0.0) -> StepRecord:
@@ -60,6 +60,27 @@ def test_few_or_noisy_steps_do_not_veto() -> None:
     for tokens in rng.choice([1, 1, 1, 5], size=40):  # mean 2 tokens per 1.6 plain steps: 1.25x
         check.add(record(1, 0.16, int(tokens)))
         assert not check.vetoes(1)
+
+
+def test_one_lucky_probe_does_not_lift_a_veto_three_that_pay_do() -> None:
+    """Under a veto only probes speculate (a drafting step, then one that verifies). A
+    probe whose two steps gain 1.3x among probes at 0.8x leaves the load plain; three
+    probes in a row that gain 1.2x give speculating back."""
+    check = RealizedSpeed()
+    for _ in range(2):
+        check.add(record(4, 0.1, 4, verified=False))
+    for _ in range(int(MIN_SPECULATIVE_STEPS) + 2):
+        check.add(record(4, 0.25, 8))  # 2 tokens per request in 2.5 plain steps: 0.8x
+    assert check.vetoes(4)
+
+    def probe(gain: float) -> bool:
+        for _ in range(int(PROBE_STEPS)):
+            check.add(record(4, 0.2 / gain, 8))
+        return check.vetoes(4)
+
+    assert all(probe(gain) for gain in [0.8, 1.3, 0.8, 0.8, 1.3, 0.8, 0.8, 0.8])
+    assert probe(1.2) and probe(1.2), "two probes that pay are not yet enough"
+    assert not probe(1.2)
 
 
 def test_a_step_is_folded_once_both_its_time_and_tokens_are_known() -> None:

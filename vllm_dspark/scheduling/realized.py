@@ -20,15 +20,19 @@ the per-request speed of that step over a plain step at the same load. The contr
 stops speculating at a load once the recent gains there lie below 1 with confidence (mean
 plus `CONFIDENCE` standard errors), and goes on probing as it does when its model says
 not to draft. The verdict then rests on the probes alone (the gains are cleared when it
-changes): it holds while their mean gain stays below 1 and lifts at the first probe
-above, so a load where speculating pays again gets it back within one probe. Only past
-steps enter, so outputs stay exact, as with every other input of the decision.
+changes): it lifts once the last `LIFT_PROBES` probes gained more than 1 by a standard
+error (their steps alone, so that probes from before a change of regime do not hold it).
+It first lifted at the first probe above 1; per-step gains are so spread that one probe
+in three or so did that at a load where speculating lost 10-20%, and 8 more speculative
+steps went by before the next veto. Only past steps enter, so outputs stay exact, as with
+every other input of the decision.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,6 +51,10 @@ PROBE_STEPS = 2.0
 # range from a drafted step's cost alone to K + 1 tokens, and acceptance comes in runs,
 # so a run of unlucky steps must not do it.
 CONFIDENCE = 2.0
+# Probes whose steps' mean gain lifts a veto, and the standard errors by which it must
+# exceed 1.
+LIFT_PROBES = 3
+LIFT_CONFIDENCE = 1.0
 
 
 def load_bucket(num_requests: int) -> int:
@@ -77,6 +85,8 @@ class _Bucket:
     weight_sq: float = 0.0
     gain_sum: float = 0.0
     gain_sq_sum: float = 0.0
+    # The gains of the last LIFT_PROBES probes' steps (what lifts a veto).
+    recent: deque = field(default_factory=lambda: deque(maxlen=int(LIFT_PROBES * PROBE_STEPS)))
 
     def mean_and_error(self) -> tuple[float, float, float]:
         """(mean gain, its standard error, effective number of steps)."""
@@ -110,6 +120,7 @@ class RealizedSpeed:
         bucket.weight_sq = GAIN_FORGETTING**2 * bucket.weight_sq + 1.0
         bucket.gain_sum = GAIN_FORGETTING * bucket.gain_sum + gain
         bucket.gain_sq_sum = GAIN_FORGETTING * bucket.gain_sq_sum + gain * gain
+        bucket.recent.append(gain)
 
     def gain(self, num_requests: int) -> tuple[float, float, float] | None:
         """(mean recent gain, standard error, effective steps) at this load; None while
@@ -130,7 +141,11 @@ class RealizedSpeed:
             return bucket is not None and bucket.vetoed
         mean, error, count = measured
         if bucket.vetoed:
-            changed = count >= PROBE_STEPS and mean >= 1.0
+            window = np.array(bucket.recent)
+            changed = (len(window) == bucket.recent.maxlen
+                       and window.mean() - LIFT_CONFIDENCE * window.std() / np.sqrt(len(window)) >= 1.0)
+            if changed:
+                mean, error, count = window.mean(), window.std() / np.sqrt(len(window)), len(window)
         else:
             changed = count >= MIN_SPECULATIVE_STEPS and mean + CONFIDENCE * error < 1.0
         if changed:
@@ -141,4 +156,5 @@ class RealizedSpeed:
                 "plain decoding, probing now and then" if bucket.vetoed else "speculating as the model decides",
             )
             bucket.weight = bucket.weight_sq = bucket.gain_sum = bucket.gain_sq_sum = 0.0
+            bucket.recent.clear()
         return bucket.vetoed
