@@ -62,6 +62,24 @@ def test_few_or_noisy_steps_do_not_veto() -> None:
         assert not check.vetoes(1)
 
 
+@pytest.mark.parametrize("mean_gain", [0.94, 1.04])
+def test_a_small_steady_loss_is_vetoed_a_small_gain_seldom(mean_gain: float) -> None:
+    """Four requests, per-step gains spread by 0.3 (acceptance varies from step to step),
+    400 speculative steps, 20 seeds: speculating that loses 6% is stopped in every run;
+    speculating that gains 4% in at most 3 (with 20 steps of memory instead of 100: 9)."""
+    vetoed_runs = 0
+    for seed in range(20):
+        check = RealizedSpeed()
+        for _ in range(2):
+            check.add(record(4, 0.1, 4, verified=False))
+        vetoed = False
+        for gain in np.random.default_rng(seed).normal(mean_gain, 0.3, 400).clip(0.2):
+            check.add(record(4, 0.2 / gain, 8))  # 2 tokens per request in 2 / gain plain steps
+            vetoed = vetoed or check.vetoes(4)
+        vetoed_runs += vetoed
+    assert vetoed_runs == 20 if mean_gain < 1.0 else vetoed_runs <= 3
+
+
 def test_one_lucky_probe_does_not_lift_a_veto_three_that_pay_do() -> None:
     """Under a veto only probes speculate (a drafting step, then one that verifies). A
     probe whose two steps gain 1.3x among probes at 0.8x leaves the load plain; three

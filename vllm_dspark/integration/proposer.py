@@ -22,7 +22,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm_dspark import METHOD
 from vllm_dspark.config import PluginOptions
 from vllm_dspark.integration.compat import dflash_proposer_base
-from vllm_dspark.integration.deferred_context import DeferredContext
+from vllm_dspark.integration.deferred_context import ContextRows, DeferredContext
 from vllm_dspark.integration.outputs import DraftReport
 from vllm_dspark.kernels import dispatch
 from vllm_dspark.model.heads import DraftOutput, MarkovHead, draft_seeds, sequential_draft
@@ -74,7 +74,7 @@ class DSparkProposer(dflash_proposer_base()):
         self._timer.stop()
         return drafts
 
-    def _store_context(self, rows) -> None:
+    def _store_context(self, rows: ContextRows) -> None:
         if self._deferred is None:
             self.write_context(rows)
             return
