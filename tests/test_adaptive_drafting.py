@@ -11,8 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.tiny_models import engine_scheduler, fit_markov_to_transitions, generate_ids, make_drafter, make_llm, spec_counters
+from tests.tiny_models import (
+    engine_runner,
+    engine_scheduler,
+    fit_markov_to_transitions,
+    generate_ids,
+    make_drafter,
+    make_llm,
+    spec_counters,
+)
 from vllm_dspark.config import ConfigError, DrafterConfig, PluginOptions
+from vllm_dspark.integration.deferred_context import ContextRows, DeferredContext, last_writes_only
 from vllm_dspark.model.drafter import DSparkDrafter, target_ids_of
 from vllm_dspark.model.heads import sequential_draft
 from vllm_dspark.model.reduce_vocab import choose_draft_vocab, coverage, reduce_drafter
@@ -317,79 +326,62 @@ def test_skipping_and_early_stop_keep_greedy_outputs_exact(drafters, tiny_target
     assert counters["num_draft_tokens"] == stats.verified and counters["num_accepted_tokens"] == stats.accepted
 
 
-def test_deferred_context_drafts_what_writing_every_step_drafts(drafters, tiny_target, baseline) -> None:
-    """Steps that draft nothing only queue their context K/V, written before the next
-    draft: every draft and its confidences (which read the drafter's hidden states, hence
-    the context it attends to) equal those made with the context written every step (two
-    of every three proposals forced to draft nothing, greedy); outputs stay exact."""
+def test_lean_plain_steps_change_no_draft(drafters, tiny_target, baseline) -> None:
+    """Steps that draft nothing only queue their context K/V (written before the next
+    draft) and, without drafts to verify, skip vLLM's rejection sampler. Two of every
+    three proposals forced to draft nothing, greedy: every draft and its confidences
+    (which read the drafter's hidden states, hence the context it attends to) equal those
+    of the engine that writes the context every step and runs the rejection sampler on
+    every step, and outputs stay exact."""
     full, _, _ = drafters
     spec = {"method": "vllm_dspark", "model": str(full), "num_speculative_tokens": K}
 
-    def drafts_with(defer: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-        llm = make_llm(tiny_target, spec, {"vllm_dspark": {"policy": "fixed", "defer_context": defer}})
-        proposer = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
-        propose, drafts, confidences, most_queued = proposer.propose, [], [], 0
+    def run(lean: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, int]]:
+        options = {"policy": "fixed", "defer_context": lean, "plain_sampling_without_drafts": lean}
+        llm = make_llm(tiny_target, spec, {"vllm_dspark": options})
+        runner = engine_runner(llm)
+        proposer = runner.drafter
+        propose, execute, rejection = proposer.propose, runner.execute_model, runner.rejection_sampler.forward
+        drafts, confidences = [], []
+        counts = {"most queued": 0, "steps": 0, "steps with drafts": 0, "rejection sampler": 0}
 
         def every_third(num_speculative_tokens, *args, **kwargs):
-            nonlocal most_queued
             drafted = propose(num_speculative_tokens if len(drafts) % 3 == 2 else 0, *args, **kwargs)
             drafts.append(drafted.clone())
             if drafted.numel():
                 confidences.append(proposer._confidences.clone())
-            most_queued = max(most_queued, proposer._deferred.num_tokens if defer else 0)
+            if lean:
+                counts["most queued"] = max(counts["most queued"], proposer._deferred.num_tokens)
             return drafted
 
-        proposer.propose = every_third
-        assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
-        return drafts, confidences, most_queued
+        def counting_execute(scheduler_output, *args, **kwargs):
+            counts["steps"] += 1
+            counts["steps with drafts"] += bool(scheduler_output.scheduled_spec_decode_tokens)
+            return execute(scheduler_output, *args, **kwargs)
 
-    deferred, deferred_confidences, most_queued = drafts_with(True)
-    every_step, every_step_confidences, _ = drafts_with(False)
-    assert most_queued >= 2 * len(PROMPTS), "two steps' context waited for the next draft"
-    assert sum(d.numel() for d in deferred) > 0
-    assert len(deferred) == len(every_step)
-    assert all(torch.equal(a, b) for a, b in zip(deferred, every_step))
-    assert len(deferred_confidences) == len(every_step_confidences) > 0
-    for a, b in zip(deferred_confidences, every_step_confidences):
+        def counting_rejection(*args, **kwargs):
+            counts["rejection sampler"] += 1
+            return rejection(*args, **kwargs)
+
+        proposer.propose, runner.execute_model, runner.rejection_sampler.forward = (
+            every_third, counting_execute, counting_rejection)
+        assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
+        return drafts, confidences, counts
+
+    lean_drafts, lean_confidences, lean = run(True)
+    drafts, confidences, before = run(False)
+    assert lean["most queued"] >= 2 * len(PROMPTS), "two steps' context waited for the next draft"
+    assert 0 < lean["steps with drafts"] < lean["steps"]
+    assert lean["rejection sampler"] == lean["steps with drafts"]
+    assert before["rejection sampler"] == before["steps"]
+    assert sum(d.numel() for d in lean_drafts) > 0 and len(lean_drafts) == len(drafts)
+    assert all(torch.equal(a, b) for a, b in zip(lean_drafts, drafts))
+    assert len(lean_confidences) == len(confidences) > 0
+    for a, b in zip(lean_confidences, confidences):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("plain", [True, False], ids=["plain-sampling", "rejection-sampler-always"])
-def test_steps_without_drafts_sample_as_plain_steps(drafters, tiny_target, baseline, plain: bool) -> None:
-    """A step in which no request verifies drafts (prefill steps, steps after a proposal
-    that drafted nothing) skips vLLM's rejection sampler (option on), and outputs stay
-    exact; vLLM's own path (option off) runs it every step."""
-    full, _, _ = drafters
-    spec = {"method": "vllm_dspark", "model": str(full), "num_speculative_tokens": K}
-    llm = make_llm(tiny_target, spec, {"vllm_dspark": {"policy": "fixed", "plain_sampling_without_drafts": plain}})
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    propose, execute, rejection = runner.drafter.propose, runner.execute_model, runner.rejection_sampler.forward
-    counts = {"proposals": 0, "steps": 0, "steps with drafts": 0, "rejection sampler": 0}
-
-    def every_other(num_speculative_tokens, *args, **kwargs):
-        counts["proposals"] += 1
-        return propose(num_speculative_tokens if counts["proposals"] % 2 else 0, *args, **kwargs)
-
-    def counting_execute(scheduler_output, *args, **kwargs):
-        counts["steps"] += 1
-        counts["steps with drafts"] += bool(scheduler_output.scheduled_spec_decode_tokens)
-        return execute(scheduler_output, *args, **kwargs)
-
-    def counting_rejection(*args, **kwargs):
-        counts["rejection sampler"] += 1
-        return rejection(*args, **kwargs)
-
-    runner.drafter.propose, runner.execute_model, runner.rejection_sampler.forward = (
-        every_other, counting_execute, counting_rejection)
-    assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
-    assert 0 < counts["steps with drafts"] < counts["steps"]
-    expected = counts["steps with drafts"] if plain else counts["steps"]
-    assert counts["rejection sampler"] == expected
-
-
 def test_deferred_writes_land_as_writes_in_order() -> None:
-    from vllm_dspark.integration.deferred_context import ContextRows, DeferredContext, last_writes_only
-
     generator = torch.Generator().manual_seed(0)
     queue, in_order = DeferredContext(max_tokens=35), torch.zeros(16)
     for _ in range(5):  # slots written again and again, padding (-1) among them

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tests.tiny_models import make_drafter, make_llm
+from tests.tiny_models import engine_runner, make_drafter, make_llm
 from vllm_dspark.model.drafter import DSparkDrafter
 from vllm_dspark.model.target_features import capture_target_states
 
@@ -19,7 +19,7 @@ def first_proposal_in_vllm(target: Path, drafter: Path, k: int) -> tuple[int, to
     from vllm.inputs import TokensPrompt
 
     llm = make_llm(target, {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": k}, {"vllm_dspark": {"policy": "fixed"}})
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = engine_runner(llm)
     proposer = runner.drafter
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     original = proposer._sample_draft_tokens

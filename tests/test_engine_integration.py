@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import (
+    engine_runner,
     engine_scheduler,
     fit_markov_to_transitions,
     generate_ids,
@@ -255,7 +256,7 @@ def test_nan_confidences_fall_back_safely(tiny_target, fitted_drafter, baseline)
     the engine keeps running and outputs stay exact."""
     options = {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE, **DRAFTER_ONLY}}
     llm = make_llm(tiny_target, spec_config(fitted_drafter), options)
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = engine_runner(llm)
     original = runner.drafter.take_confidences
 
     def poisoned():

@@ -104,6 +104,11 @@ def engine_scheduler(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
+def engine_runner(llm):
+    """The model runner of an in-process engine's one worker."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
 def record_decisions(llm) -> list:
     """Every VerifyDecision the engine's controller makes from now on, in order."""
     controller = engine_scheduler(llm).controller
