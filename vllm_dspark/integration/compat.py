@@ -151,10 +151,11 @@ def dflash_proposer_base() -> type:
                 num_rejected_tokens_gpu=num_rejected_tokens_gpu,
             )
             num_context = self._dflash_num_context
+            # Views of reused buffers: valid until the next proposal (a queue copies them).
             return ContextRows(
                 target_hidden_states[:num_context],
-                self._context_positions_buffer[:num_context].clone(),
-                self._context_slot_mapping_buffer[:num_context].clone(),
+                self._context_positions_buffer[:num_context],
+                self._context_slot_mapping_buffer[:num_context],
             )
 
         def write_context(self, rows: ContextRows) -> None:

@@ -54,7 +54,9 @@ class DeferredContext:
     _num_tokens: int = 0
 
     def add(self, rows: ContextRows) -> None:
-        self._pending.append(rows)
+        """Queue `rows`, copying their positions and slots (views of the proposer's
+        reused buffers; the runner's hidden states are a fresh tensor every step)."""
+        self._pending.append(ContextRows(rows.hidden_states, rows.positions.clone(), rows.slots.clone()))
         self._num_tokens += len(rows)
 
     @property
