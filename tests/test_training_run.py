@@ -113,6 +113,24 @@ def test_extract_resumes_without_redoing(tiny_target: Path, tiny_data: Path, fea
     assert (train_dir / "index.jsonl").read_text() == before
 
 
+@pytest.mark.skipif(not cpu_has_bf16_matmul(), reason="no native bf16 on this CPU")
+def test_extract_in_bf16_matches_fp32_and_is_kept_apart(tiny_target: Path, tiny_data: Path, features: tuple[Path, Path],
+                                                        tmp_path: Path, capsys) -> None:
+    """bf16 autocast changes the states by bf16 rounding only, and is recorded in the meta,
+    so such features never mix into an fp32 directory."""
+    base = ["extract-features", "--target", str(tiny_target), "--data", str(tiny_data), "--precision", "bf16"]
+    code, err = run_cli([*base, "--out", str(features[0])], capsys)
+    assert code == 1 and "target_precision" in err
+    assert main([*base, "--out", str(tmp_path / "bf16")]) == 0
+    fp32, bf16 = FeatureStore(features[0]), FeatureStore(tmp_path / "bf16")
+    assert (fp32.meta["target_precision"], bf16.meta["target_precision"]) == ("fp32", "bf16")
+    first = next(i for i, e in enumerate(bf16.entries) if e["id"] == fp32.entries[0]["id"])
+    a, b = fp32.get(0), bf16.get(first)
+    assert torch.equal(a.input_ids, b.input_ids)
+    assert torch.allclose(a.context, b.context, rtol=5e-2, atol=5e-2) and not torch.equal(a.context, b.context)
+    assert (a.soft_labels.probs - b.soft_labels.probs).abs().max() < 5e-2
+
+
 # ---------------------------------------------------------------- training
 @pytest.mark.parametrize("device, precision", [
     ("cpu", "auto"),

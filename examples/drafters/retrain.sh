@@ -32,7 +32,7 @@ mkdir -p logs runs
 features() {
   [ -f data/train.jsonl ] || { mkdir -p data; xz -dc $CORPUS > data/train.jsonl; }
   $CLI extract-features --target "$T" --data data/train.jsonl --out $F/train --heldout-out $F/heldout \
-    --heldout-frac 0.05 --layers 1 8 14 20 27 --max-seq-len 1024 --soft-label-topk 64
+    --heldout-frac 0.05 --layers 1 8 14 20 27 --max-seq-len 1024 --soft-label-topk 64 --precision "$PRECISION"
 }
 
 init() {  # init NAME MARKOV_RANK MODE(random|warm)

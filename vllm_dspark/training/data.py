@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import importlib.util
 import inspect
 import json
@@ -300,12 +301,15 @@ class _FunctionTask:
     class_name: str
 
 
-def _function_tasks(path: Path, root: Path) -> list[_FunctionTask]:
-    """Documented public functions and methods of one module, short enough to be a task."""
+@functools.lru_cache(maxsize=None)
+def _function_tasks(path: Path, root: Path) -> tuple[_FunctionTask, ...]:
+    """Documented public functions and methods of one module, short enough to be a task.
+    Cached: parsing the standard library takes seconds, and every mix (a resumed run, the
+    tests) parses the same files."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (SyntaxError, UnicodeDecodeError, ValueError):
-        return []
+        return ()
     module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
     tasks = []
     scopes: list[tuple[str, list[ast.stmt]]] = [("", tree.body)]
@@ -334,7 +338,7 @@ def _function_tasks(path: Path, root: Path) -> list[_FunctionTask]:
                     class_name=class_name,
                 )
             )
-    return tasks
+    return tuple(tasks)
 
 
 def _round_robin(per_file: list[list[_FunctionTask]]) -> Iterator[_FunctionTask]:
@@ -352,8 +356,8 @@ def code_prompts(seed: int, stdlib: Path | None = None) -> Iterator[PromptItem]:
     rng = random.Random(f"code-{seed}")
     rng.shuffle(files)
     per_file = []
-    for path in files:  # parsing all of it takes about 7 s
-        tasks = _function_tasks(path, root)
+    for path in files:  # parsing all of it takes about 7 s, once per process
+        tasks = list(_function_tasks(path, root))
         rng.shuffle(tasks)
         per_file.append(tasks)
     for task in _round_robin(per_file):

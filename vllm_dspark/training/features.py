@@ -42,6 +42,7 @@ from vllm_dspark.config import ConfigError, DrafterConfig
 from vllm_dspark.model.drafter import read_target_config
 from vllm_dspark.model.init_drafter import spread_layer_ids
 from vllm_dspark.model.target_features import capture_target_states
+from vllm_dspark.training.distributed import PRECISIONS, DeviceError, autocast, uses_bf16
 from vllm_dspark.training.soft_labels import DEFAULT_TOPK, TopKProbs
 
 logger = logging.getLogger(__name__)
@@ -184,8 +185,8 @@ def check_source_fits(source: FeatureSource, config: DrafterConfig, target_dir: 
 
 # ------------------------------------------------------------------ target model
 def load_target(target_dir: Path, device: torch.device = torch.device("cpu")) -> torch.nn.Module:
-    """The frozen target in eval mode: fp32 on a CPU (these CPUs have no bf16 arithmetic),
-    bf16 on a GPU (what the feature store keeps anyway)."""
+    """The frozen target in eval mode: fp32 weights on a CPU (extract-features can still run
+    it under bf16 autocast), bf16 on a GPU (what the feature store keeps anyway)."""
     from transformers import AutoModelForCausalLM
 
     if not (Path(target_dir) / "config.json").is_file():
@@ -391,14 +392,19 @@ def extract_features(
     batch_tokens: int = 2048,
     shard_tokens: int = 32768,
     topk: int = DEFAULT_TOPK,
+    precision: str = "auto",
 ) -> ExtractStats:
     """Stream `data`, run the target and write features; records whose id hashes below
     `heldout_frac` go to `heldout_dir` (for calibration), the rest to `out_dir`. Stops
-    after `max_tokens` tokens in total (both splits, earlier runs included)."""
+    after `max_tokens` tokens in total (both splits, earlier runs included). `precision`
+    bf16 runs the target under bf16 autocast (CPUs with native bf16 products: 1.85x the
+    tokens per second here; the store keeps bf16 states anyway)."""
     if (heldout_dir is None) != (heldout_frac == 0.0):
         raise FeatureError("give --heldout-out and --heldout-frac together")
     if not 0.0 <= heldout_frac < 1.0:
         raise FeatureError(f"--heldout-frac must be in [0, 1), got {heldout_frac}")
+    device = torch.device("cpu")
+    bf16 = uses_bf16(device, precision)
     fingerprint = target_fingerprint(target_dir)
     layer_ids = layer_ids or spread_layer_ids(fingerprint["num_hidden_layers"])
     bad = [i for i in layer_ids if not -1 <= i < fingerprint["num_hidden_layers"]]
@@ -413,12 +419,13 @@ def extract_features(
         "dtype": "bfloat16",
         "max_seq_len": max_seq_len,
         "soft_label_topk": topk,
+        "target_precision": "bf16" if bf16 else "fp32",
     }
     writers = {"train": FeatureWriter(out_dir, meta, shard_tokens)}
     if heldout_dir is not None:
         writers["heldout"] = FeatureWriter(heldout_dir, {**meta, "heldout_frac": heldout_frac}, shard_tokens)
     total_records = sum(1 for _ in open(data, "rb")) if Path(data).is_file() else 0
-    model = load_target(target_dir)
+    model = load_target(target_dir, device)
     stats = ExtractStats()
     start = time.perf_counter()
     bar = tqdm(total=total_records, desc="extract-features", unit="rec", dynamic_ncols=True)
@@ -435,7 +442,8 @@ def extract_features(
             while size < len(pending) and len(pending[size][0].input_ids) * (size + 1) <= batch_tokens:
                 size += 1
             batch, pending[:] = pending[:size], pending[size:]
-            outputs = run_target(model, [r.input_ids for r, _ in batch], layer_ids, topk)
+            with autocast(device, bf16):
+                outputs = run_target(model, [r.input_ids for r, _ in batch], layer_ids, topk)
             for (record, writer), (context, labels) in zip(batch, outputs):
                 writer.add(record, context, labels)
                 stats.sequences += 1
@@ -485,8 +493,9 @@ def _run(args: argparse.Namespace) -> int:
             batch_tokens=args.batch_tokens,
             shard_tokens=args.shard_tokens,
             topk=args.soft_label_topk,
+            precision=args.precision,
         )
-    except (FeatureError, ConfigError, OSError) as exc:
+    except (FeatureError, ConfigError, DeviceError, OSError) as exc:
         print(f"extract-features: {exc}", file=sys.stderr)
         return 1
     print(
@@ -520,4 +529,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--soft-label-topk", type=positive_int, default=DEFAULT_TOPK,
                         help="target probabilities kept per position (the TV loss's error is at most "
                              "twice the mass left out; `benchmarks/train_throughput.py` reports it)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto",
+                        help="auto (default): fp32 on the cpu; bf16 runs the target under bf16 autocast, on "
+                             "cpus with native bf16 products (avx512_bf16 or amx_bf16) about 1.85x faster")
     parser.set_defaults(func=_run)
