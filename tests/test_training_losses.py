@@ -12,9 +12,11 @@ from tests.tiny_models import make_drafter
 from vllm_dspark.model.drafter import DSparkDrafter, block_mask
 from vllm_dspark.training.blocks import choose_anchors, valid_anchors
 from vllm_dspark.training.calibrate import (
+    brier_score,
     ece_per_position,
     expected_calibration_error,
     sequential_temperature_scaling,
+    survival_curves,
 )
 from vllm_dspark.training.losses import (
     acceptance_label,
@@ -205,6 +207,22 @@ def test_sts_lowers_ece_on_overconfident_data() -> None:
     assert temps[0] == pytest.approx(3.0, rel=0.1)
     assert all(a < 0.3 * b for a, b in zip(after, before)), (before, after)
     assert max(after) < 0.01
+
+
+def test_sts_by_ece_collapses_a_biased_head_and_brier_does_not() -> None:
+    """Logits biased by +1: no temperature calibrates them, but one large enough makes every
+    confidence about the base rate, which ECE scores nearly perfect. The Brier score keeps
+    the confidences apart (a scheduler ranks by them) and ends closer to the truth."""
+    generator = torch.Generator().manual_seed(0)
+    true_logits = torch.randn(20000, 1, generator=generator)
+    survival = torch.sigmoid(true_logits)
+    reported = true_logits + 1.0
+    by_ece = sequential_temperature_scaling(reported, survival, objective="ece")
+    by_brier = sequential_temperature_scaling(reported, survival)
+    assert by_ece[0] > 20 and 1.5 < by_brier[0] < 4, (by_ece, by_brier)
+    ece_curve, brier_curve = survival_curves(reported, by_ece)[:, 0], survival_curves(reported, by_brier)[:, 0]
+    assert ece_curve.std() < 0.02 < 0.08 < brier_curve.std()
+    assert brier_score(brier_curve, survival[:, 0]) < 0.7 * brier_score(ece_curve, survival[:, 0])
 
 
 def test_sts_keeps_temperature_one_where_ece_is_flat() -> None:

@@ -2,9 +2,17 @@
 
 The scheduler ranks draft positions by prefix survival a_k = c_1 * ... * c_k, so what must
 be calibrated is a_k, not each c_k alone. STS fits one temperature per position, in order:
-T_k minimises the expected calibration error (ECE) of a_k = a_{k-1} * sigmoid(logit_k / T_k)
+T_k minimises a loss of a_k = a_{k-1} * sigmoid(logit_k / T_k) against the observed survival
 with T_1..T_{k-1} already fixed. Scaling a logit by a positive factor keeps the order of
 confidences at each position.
+
+The loss. DSPARK.md names the expected calibration error (ECE, `--objective ece`). ECE
+rewards calibration only, not resolution, and a large enough temperature makes every c_k
+the base rate, which is perfectly calibrated and useless for ranking: on the drafter
+continued on 2026-12-03 it chose T_1 = 31.6 (the grid's end; every c_1 about 0.50, ECE of
+a_1 0.018 -> 0.007) and left a_2 worse than before (0.010 -> 0.034). The default is the
+Brier score (mean squared error of a_k), a proper scoring rule: its minimum is calibrated
+and keeps what separates the drafts that survive from those that do not.
 
 Observed survival. On held-out features the drafter runs teacher-forced (true previous
 tokens), and the survival of position k is taken as the exact expected value
@@ -51,27 +59,41 @@ def survival_curves(conf_logits: torch.Tensor, temperatures: list[float]) -> tor
     return torch.cumprod(torch.sigmoid(conf_logits / temps), dim=1)
 
 
+def brier_score(predicted: torch.Tensor, observed: torch.Tensor, bins: int = 15) -> float:
+    """Mean squared error of the predicted survival (`bins` unused: one signature for both losses)."""
+    return float(((predicted - observed) ** 2).mean())
+
+
+OBJECTIVES = {"brier": brier_score, "ece": expected_calibration_error}
+# Losses this close to the best count as ties (broken towards T = 1). The Brier score is
+# flat (quadratic) at its minimum, so its tie band is narrower: on 3x over-confident
+# synthetic logits 1e-3 stops at T_1 = 2.5, 1e-5 finds the true 3.0.
+DEFAULT_TOLERANCE = {"brier": 1e-5, "ece": 1e-3}
+
+
 def sequential_temperature_scaling(
     conf_logits: torch.Tensor,
     survival: torch.Tensor,
     bins: int = 15,
     grid: torch.Tensor = TEMPERATURE_GRID,
-    tolerance: float = 1e-3,
+    tolerance: float | None = None,
+    objective: str = "brier",
 ) -> list[float]:
     """T_1..T_K, each chosen by grid search with the earlier ones fixed.
 
-    Among temperatures whose ECE is within `tolerance` of the best, the one closest to 1
-    wins: late positions survive so rarely that their ECE is tiny and flat in T, and a
+    Among temperatures whose loss is within `tolerance` of the best, the one closest to 1
+    wins: late positions survive so rarely that their loss is tiny and flat in T, and a
     plain argmin there picks extreme temperatures (0.03) that would turn c_k into 0/1
     at serving time on prompts where the drafter does survive that far."""
+    loss = OBJECTIVES[objective]
+    tolerance = DEFAULT_TOLERANCE[objective] if tolerance is None else tolerance
     temperatures: list[float] = []
     prefix = torch.ones(len(conf_logits), dtype=conf_logits.dtype)
     for k in range(conf_logits.shape[1]):
-        eces = torch.tensor([
-            expected_calibration_error(prefix * torch.sigmoid(conf_logits[:, k] / t), survival[:, k], bins)
-            for t in grid.tolist()
+        losses = torch.tensor([
+            loss(prefix * torch.sigmoid(conf_logits[:, k] / t), survival[:, k], bins) for t in grid.tolist()
         ])
-        near_best = eces <= eces.min() + tolerance
+        near_best = losses <= losses.min() + tolerance
         best = float(grid[near_best][grid[near_best].log().abs().argmin()])
         temperatures.append(best)
         prefix = prefix * torch.sigmoid(conf_logits[:, k] / best)
@@ -142,7 +164,8 @@ def calibrate(
     png: Path | None,
     anchors_per_seq: int,
     bins: int,
-    tolerance: float,
+    tolerance: float | None = None,
+    objective: str = "brier",
 ) -> dict:
     drafter = DSparkDrafter.from_pretrained(drafter_dir, target)
     if drafter.confidence_head is None:
@@ -151,17 +174,20 @@ def calibrate(
     check_source_fits(store, drafter.config, target, str(features))
     conf_logits, accept = collect_confidences(drafter, store, anchors_per_seq)
     survival = torch.cumprod(accept, dim=1)
-    temperatures = sequential_temperature_scaling(conf_logits, survival, bins, tolerance=tolerance)
+    temperatures = sequential_temperature_scaling(conf_logits, survival, bins, tolerance=tolerance, objective=objective)
     k = drafter.config.block_size
     report = {
         "blocks": len(conf_logits),
         "sequences": len(store),
         "observed_survival": "product of exact acceptance probabilities (teacher forcing)",
         "bins": bins,
-        "ece_tolerance": tolerance,
+        "objective": objective,
+        "tolerance": DEFAULT_TOLERANCE[objective] if tolerance is None else tolerance,
         "temperatures": [round(t, 4) for t in temperatures],
         "ece_before": ece_per_position(conf_logits, survival, [1.0] * k, bins),
         "ece_after": ece_per_position(conf_logits, survival, temperatures, bins),
+        "brier_before": [brier_score(a, o) for a, o in zip(survival_curves(conf_logits, [1.0] * k).T, survival.T)],
+        "brier_after": [brier_score(a, o) for a, o in zip(survival_curves(conf_logits, temperatures).T, survival.T)],
         "mean_survival": survival.mean(0).tolist(),
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -179,7 +205,8 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         report = calibrate(
-            args.target, args.drafter, args.features, args.out, args.png, args.anchors_per_seq, args.bins, args.ece_tolerance
+            args.target, args.drafter, args.features, args.out, args.png, args.anchors_per_seq, args.bins, args.tolerance,
+            args.objective,
         )
     except (FeatureError, ConfigError, OSError) as exc:
         print(f"calibrate: {exc}", file=sys.stderr)
@@ -203,6 +230,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--png", type=Path, default=None, help="reliability diagram to write")
     parser.add_argument("--anchors-per-seq", type=int, default=64, help="blocks per held-out sequence")
     parser.add_argument("--bins", type=int, default=15, help="ECE bins")
-    parser.add_argument("--ece-tolerance", type=float, default=1e-3,
-                        help="prefer the temperature closest to 1 among those this close to the best ECE")
+    parser.add_argument("--objective", choices=sorted(OBJECTIVES), default="brier",
+                        help="what each T_k minimises: brier (default; proper, keeps resolution) or ece "
+                             "(DSPARK.md's; a temperature that makes every confidence the base rate wins it)")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="prefer the temperature closest to 1 among those this close to the best loss "
+                             "(default 1e-5 for brier, 1e-3 for ece)")
     parser.set_defaults(func=_run)
