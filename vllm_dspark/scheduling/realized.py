@@ -22,8 +22,8 @@ plus `CONFIDENCE` standard errors), and goes on probing as it does when its mode
 not to draft. The verdict then rests on the probes alone (the gains are cleared when it
 changes): it lifts once the last `LIFT_PROBES` probes gained more than 1 by a standard
 error (their steps alone, so that probes from before a change of regime do not hold it).
-It first lifted at the first probe above 1, which gains spread as widely as per-step
-gains are reach by chance at a load losing 10-20%; then at least 8 more speculative steps
+It first lifted at the first probe above 1, which gains as widely spread as per-step
+gains reach by chance at a load losing 10-20%; then at least 8 more speculative steps
 went by before the next veto. Only past steps enter, so outputs stay exact, as with
 every other input of the decision.
 """

@@ -71,6 +71,10 @@ OBJECTIVES = {"brier": brier_score, "ece": expected_calibration_error}
 DEFAULT_TOLERANCE = {"brier": 1e-5, "ece": 1e-3}
 
 
+def tie_tolerance(objective: str, tolerance: float | None) -> float:
+    return DEFAULT_TOLERANCE[objective] if tolerance is None else tolerance
+
+
 def sequential_temperature_scaling(
     conf_logits: torch.Tensor,
     survival: torch.Tensor,
@@ -86,7 +90,7 @@ def sequential_temperature_scaling(
     plain argmin there picks extreme temperatures (0.03) that would turn c_k into 0/1
     at serving time on prompts where the drafter does survive that far."""
     loss = OBJECTIVES[objective]
-    tolerance = DEFAULT_TOLERANCE[objective] if tolerance is None else tolerance
+    tolerance = tie_tolerance(objective, tolerance)
     temperatures: list[float] = []
     prefix = torch.ones(len(conf_logits), dtype=conf_logits.dtype)
     for k in range(conf_logits.shape[1]):
@@ -103,6 +107,10 @@ def sequential_temperature_scaling(
 def ece_per_position(conf_logits: torch.Tensor, survival: torch.Tensor, temperatures: list[float], bins: int) -> list[float]:
     predicted = survival_curves(conf_logits, temperatures)
     return [expected_calibration_error(predicted[:, k], survival[:, k], bins) for k in range(predicted.shape[1])]
+
+
+def brier_per_position(conf_logits: torch.Tensor, survival: torch.Tensor, temperatures: list[float]) -> list[float]:
+    return ((survival_curves(conf_logits, temperatures) - survival) ** 2).mean(0).tolist()
 
 
 @torch.no_grad()
@@ -182,12 +190,12 @@ def calibrate(
         "observed_survival": "product of exact acceptance probabilities (teacher forcing)",
         "bins": bins,
         "objective": objective,
-        "tolerance": DEFAULT_TOLERANCE[objective] if tolerance is None else tolerance,
+        "tolerance": tie_tolerance(objective, tolerance),
         "temperatures": [round(t, 4) for t in temperatures],
         "ece_before": ece_per_position(conf_logits, survival, [1.0] * k, bins),
         "ece_after": ece_per_position(conf_logits, survival, temperatures, bins),
-        "brier_before": [brier_score(a, o) for a, o in zip(survival_curves(conf_logits, [1.0] * k).T, survival.T)],
-        "brier_after": [brier_score(a, o) for a, o in zip(survival_curves(conf_logits, temperatures).T, survival.T)],
+        "brier_before": brier_per_position(conf_logits, survival, [1.0] * k),
+        "brier_after": brier_per_position(conf_logits, survival, temperatures),
         "mean_survival": survival.mean(0).tolist(),
     }
     out.mkdir(parents=True, exist_ok=True)
