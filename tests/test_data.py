@@ -148,3 +148,52 @@ def test_real_generation_and_resume(tmp_path: Path) -> None:
 
     again = data.generate_responses(prompts, target, out, max_new_tokens=16, temperature=0.0)
     assert (again.written, again.skipped_done) == (0, 3)
+
+
+def test_teacher_forced_records_from_sharegpt_replies(smollm2_target: Path, tmp_path: Path, monkeypatch) -> None:
+    """ShareGPT replies become generate-data records: opening exchanges only, English, not
+    used by the corpus, not overlapping the evaluation prompts, cut at the reply limit (else
+    closed with the end-of-turn token), until the token budget is out."""
+    from transformers import AutoTokenizer
+
+    from vllm_dspark.training import teacher_forced
+
+    def conversation(conv_id: str, user: str, reply: str) -> dict:
+        return {"id": conv_id, "conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": reply}]}
+
+    eval_question = "What is the capital city of France and why did it become the capital?"
+    sharegpt = [
+        conversation("keep_0", "Explain what a hash map is, briefly please.", "A hash map stores key-value pairs."),
+        conversation("keep_1", "A later chunk opens mid-conversation, so skip it.", "It is skipped entirely."),
+        conversation("used_0", "This conversation was a prompt of the corpus.", "So it is left out here."),
+        conversation("eval_0", eval_question, "Paris, because the kings lived there."),
+        conversation("foreign_0", "Объясни, пожалуйста, как работает хеш-таблица.", "Хеш-таблица хранит пары."),
+        conversation("long_0", "Count from one to a very large number for me.", " ".join(["one two three"] * 200)),
+        conversation("late_0", "Anything after the budget is spent is not read.", "Never written."),
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(sharegpt))
+    monkeypatch.setattr(teacher_forced, "sharegpt_path", lambda: path)
+    corpus = tmp_path / "train.jsonl"
+    corpus.write_text(json.dumps({"id": "chat-sharegpt-used_0"}) + "\n" + json.dumps({"id": "math-x-1"}) + "\n")
+    assert teacher_forced.conversation_ids(corpus) == {"used_0"}
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "set.jsonl").write_text(json.dumps({"turns": [eval_question]}) + "\n")
+
+    out = tmp_path / "teacher.jsonl"
+    stats = teacher_forced.write_teacher_forced(
+        smollm2_target, out, response_tokens=40, max_reply_tokens=32, exclude=corpus, eval_dir=eval_dir
+    )
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["teacher-sharegpt-assistant-keep_0", "teacher-sharegpt-assistant-long_0"]
+    assert (stats.written, stats.skipped_used, stats.skipped_eval, stats.truncated) == (2, 1, 1, 1)
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_target))
+    short, long = records
+    prompt = tokenizer.apply_chat_template(short["messages"], tokenize=False, add_generation_prompt=True)
+    assert short["prompt_token_ids"] == tokenizer.encode(prompt, add_special_tokens=False)
+    assert short["response_token_ids"][-1] == tokenizer.eos_token_id and short["finish_reason"] == "stop"
+    assert tokenizer.decode(short["response_token_ids"][:-1]) == "A hash map stores key-value pairs."
+    assert len(long["response_token_ids"]) == 32 and long["finish_reason"] == "length"
+    assert stats.response_tokens == sum(len(r["response_token_ids"]) for r in records) >= 40
+    assert all(r["sampling"]["teacher_forced"] for r in records)

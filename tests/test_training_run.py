@@ -485,3 +485,35 @@ def test_calibrate_bad_inputs(tiny_target: Path, features: tuple[Path, Path], tm
     drafter.save_pretrained(no_conf)
     code, err = run_cli([*base, "--drafter", str(no_conf)], capsys)
     assert code == 1 and "no confidence head" in err
+
+
+def test_feature_union_reads_directories_as_one(tiny_target: Path, features: tuple[Path, Path], tmp_path: Path,
+                                                capsys) -> None:
+    """Several --features directories: their sequences in order, refused when their
+    settings disagree, and training reads them as one set."""
+    from vllm_dspark.training.features import FeatureError, FeatureUnion, open_features
+
+    train_dir, heldout_dir = features
+    union = open_features([train_dir, heldout_dir])
+    first, second = FeatureStore(train_dir), FeatureStore(heldout_dir)
+    assert isinstance(union, FeatureUnion) and len(union) == len(first) + len(second)
+    assert union.lengths() == first.lengths() + second.lengths()
+    assert torch.equal(union.get(len(first)).context, second.get(0).context)
+    assert torch.equal(union.get(len(first) - 1).input_ids, first.get(len(first) - 1).input_ids)
+    with pytest.raises(IndexError):
+        union.get(len(union))
+    assert isinstance(open_features([train_dir]), FeatureStore)
+
+    other = tmp_path / "other"
+    shutil.copytree(heldout_dir, other)
+    meta = json.loads((other / "meta.json").read_text())
+    meta["soft_label_topk"] += 1
+    (other / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(FeatureError, match="soft_label_topk"):
+        open_features([train_dir, other])
+
+    out = tmp_path / "run"
+    argv = train_argv(tiny_target, train_dir, out, "--steps", "2", *DRAFTER)
+    argv[argv.index("--features") + 1 : argv.index("--features") + 2] = [str(train_dir), str(heldout_dir)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert len(read_log(out)) == 2

@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_dspark.engine_profile",
     "vllm_dspark.targets.cli",
     "vllm_dspark.training.data",
+    "vllm_dspark.training.teacher_forced",
     "vllm_dspark.training.features",
     "vllm_dspark.training.train",
     "vllm_dspark.training.calibrate",

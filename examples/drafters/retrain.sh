@@ -5,10 +5,13 @@
 #   AB_AT   the step at which the warm-start A/B is decided (both arms are also reported at step 200)
 #   PRECISION  bf16 (autocast) where the CPU multiplies bf16 natively, else fp32 (train refuses
 #              bf16 on a CPU without AVX512-BF16 or AMX: emulated, it is slower than fp32)
-#   MODE  the pair calibrate takes: the A/B's winner by default; "continued" after `continue`
-# Usage: bash examples/drafters/retrain.sh [features|ab|pair|continue|calibrate|acceptance|all]
+#   MODE  the pair calibrate takes: the A/B's winner by default; the RUN name after `continue`
+#   RUN   the name of a continuation (runs/<drafter>-RUN; default "continued"); each new warm
+#         restart needs a new name, since a finished run is never trained again
+#   AB_STEPS  steps of each arm of the teacher-forced data A/B (teacher-ab)
+# Usage: bash examples/drafters/retrain.sh [features|ab|pair|continue|calibrate|acceptance|teacher-ab|all]
 #   continue: a warm restart of the committed pair (its weights, a new schedule of STEPS) on
-#             the features of the whole corpus; then `MODE=continued ... calibrate`
+#             the features of the whole corpus; then `MODE=$RUN ... calibrate`
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source examples/env.sh
@@ -84,7 +87,7 @@ pair() {  # the winner's DSpark continues its schedule; DFlash (markov_rank 0) t
 continue_pair() {  # the committed pair's weights, a new schedule on the current features
   local name
   for name in dspark dflash; do
-    train $name continued examples/drafters/smollm2-$name-b7 &
+    train $name "${RUN:-continued}" examples/drafters/smollm2-$name-b7 &
   done
   wait
 }
@@ -92,16 +95,28 @@ continue_pair() {  # the committed pair's weights, a new schedule on the current
 calibrate() {  # a continued pair keeps the logs of the schedules before it under previous/
   local mode=${MODE:-$(winner)}
   for name in dspark dflash; do
-    local out=examples/drafters/smollm2-$name-b7 keep=runs/previous-logs/$name
-    if [ "$mode" = continued ] && [ ! -d $keep ]; then
+    local out=examples/drafters/smollm2-$name-b7 keep=runs/$name-$mode/previous-logs
+    if [[ $mode == continued* ]] && [ ! -d $keep ]; then  # the committed logs this run went on from
       mkdir -p $keep && cp $out/train_log.jsonl $out/heldout_log.jsonl $keep/
       [ -d $out/previous ] && cp -r $out/previous $keep/
     fi
     rm -rf $out && mkdir -p $out
-    [ "$mode" = continued ] && cp -r $keep $out/previous
+    [ -d $keep ] && cp -r $keep $out/previous
     $CLI calibrate --target "$T" --drafter runs/$name-$mode --features $F/heldout --out $out --png $out/reliability.png
     cp runs/$name-$mode/train_log.jsonl runs/$name-$mode/heldout_log.jsonl $out/
   done
+}
+
+teacher_ab() {  # does ShareGPT's own text (teacher-forced, labelled by the target) help? DSpark, equal steps
+  local tf=runs/features-teacher steps=${AB_STEPS:-1000}
+  [ -f data/teacher_forced.jsonl ] || $CLI teacher-forced-data --target "$T" --out data/teacher_forced.jsonl \
+    --response-tokens 300000 --exclude data/train.jsonl
+  $CLI extract-features --target "$T" --data data/teacher_forced.jsonl --out $tf/train \
+    --layers 1 8 14 20 27 --max-seq-len 1024 --soft-label-topk 64 --precision "$PRECISION"  # resumes
+  train dspark ab-core examples/drafters/smollm2-dspark-b7 --steps "$steps" &
+  train dspark ab-teacher examples/drafters/smollm2-dspark-b7 --steps "$steps" --features $F/train $tf/train &
+  wait
+  for arm in ab-core ab-teacher; do echo "$arm: held-out tau at step $steps: $(tau_at dspark-$arm "$steps")"; done
 }
 
 acceptance() {
@@ -115,6 +130,7 @@ case $stage in
   continue) continue_pair ;;
   calibrate) calibrate ;;
   acceptance) acceptance ;;
+  teacher-ab) teacher_ab ;;
   all) features; ab; pair; calibrate; acceptance ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -221,7 +221,7 @@ def _opening_user_turn(record: dict[str, Any]) -> str | None:
     return str(turns[0].get("value", "")).strip()
 
 
-def _mostly_ascii(text: str) -> bool:
+def mostly_ascii(text: str) -> bool:
     """SmolLM2 is an English model: non-English prompts mostly teach it noise."""
     return sum(c.isascii() for c in text) >= 0.9 * len(text)
 
@@ -235,7 +235,7 @@ def sharegpt_prompts(seed: int) -> tuple[list[PromptItem], list[PromptItem]]:
     for record in iter_sharegpt(sharegpt_path()):
         text = _opening_user_turn(record)
         conv_id = str(record.get("id", ""))
-        if not text or len(text) < 16 or len(text) > MAX_CHAT_CHARS or not _mostly_ascii(text):
+        if not text or len(text) < 16 or len(text) > MAX_CHAT_CHARS or not mostly_ascii(text):
             continue
         key = _normalise(text)
         if key in seen or conv_id in seen:

@@ -21,6 +21,7 @@ the last complete shard. The loss mask is "response tokens only": positions >= r
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import json
 import logging
@@ -320,6 +321,50 @@ class FeatureStore:
             soft_labels=TopKProbs(handle.get_tensor(f"{key}.topk_ids").long(), handle.get_tensor(f"{key}.topk_probs").float()),
             response_start=entry["response_start"],
         )
+
+
+class FeatureUnion:
+    """Several feature directories read as one source (the generated corpus and
+    teacher-forced text, say). They must agree on everything a step's arithmetic depends on,
+    so that no sequence is read differently from the others."""
+
+    MUST_AGREE = ("format_version", "target", "layer_ids", "soft_label_topk", "target_precision")
+
+    def __init__(self, stores: list[FeatureStore]) -> None:
+        if not stores:
+            raise FeatureError("no feature directories given")
+        first = stores[0]
+        for store in stores[1:]:
+            for key in self.MUST_AGREE:
+                if store.meta.get(key) != first.meta.get(key):
+                    raise FeatureError(
+                        f"feature directories disagree on {key}: {first.dir} has {first.meta.get(key)}, "
+                        f"{store.dir} has {store.meta.get(key)}; extract them with the same settings"
+                    )
+        self.stores = stores
+        self.layer_ids: list[int] = first.layer_ids
+        self.fingerprint: dict[str, Any] = first.fingerprint
+        self._starts = [0]
+        for store in stores:
+            self._starts.append(self._starts[-1] + len(store))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def lengths(self) -> list[tuple[int, int]]:
+        return [pair for store in self.stores for pair in store.lengths()]
+
+    def get(self, index: int) -> SequenceFeatures:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sequence {index} of {len(self)}")
+        which = bisect.bisect_right(self._starts, index) - 1
+        return self.stores[which].get(index - self._starts[which])
+
+
+def open_features(dirs: list[Path]) -> FeatureStore | FeatureUnion:
+    """One directory as a FeatureStore, several as their union."""
+    stores = [FeatureStore(d) for d in dirs]
+    return stores[0] if len(stores) == 1 else FeatureUnion(stores)
 
 
 class OnTheFlyFeatures:

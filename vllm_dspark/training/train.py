@@ -68,6 +68,7 @@ from vllm_dspark.training.features import (
     OnTheFlyFeatures,
     check_same_target,
     check_source_fits,
+    open_features,
 )
 
 logger = logging.getLogger(__name__)
@@ -231,9 +232,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         anchors_per_seq=args.anchors_per_seq, seed=args.seed, world_size=world, bf16=bf16,
     )
     # Cached features fix the layers a new drafter reads; check them before building it.
-    store = FeatureStore(args.features) if args.features is not None else None
+    features_where = " + ".join(str(d) for d in args.features or [])
+    store = open_features(args.features) if args.features is not None else None
     if store is not None:
-        check_same_target(store, args.target, str(args.features))
+        check_same_target(store, args.target, features_where)
     heldout = FeatureStore(args.heldout) if args.heldout is not None else None
     if heldout is not None:
         check_same_target(heldout, args.target, str(args.heldout))
@@ -249,7 +251,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     source: FeatureSource = store or OnTheFlyFeatures(
         args.target, args.data, config.target_layer_ids, args.max_seq_len, args.heldout_frac, device
     )
-    check_source_fits(source, config, args.target, str(args.features or args.data))
+    check_source_fits(source, config, args.target, features_where or str(args.data))
     if heldout is not None:
         check_source_fits(heldout, config, args.target, str(args.heldout))
 
@@ -435,7 +437,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="train a DSpark/DFlash drafter (also under torchrun)")
     parser.add_argument("--target", type=Path, required=True, help="HF target checkpoint directory")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--features", type=Path, help="feature directory from extract-features")
+    source.add_argument("--features", type=Path, nargs="+",
+                        help="feature directories from extract-features (several are read as one set)")
     source.add_argument("--data", type=Path, help="generate-data JSONL: run the target on the fly instead")
     parser.add_argument("--max-seq-len", type=positive_int, default=2048, help="with --data")
     parser.add_argument("--heldout-frac", type=float, default=0.0,
