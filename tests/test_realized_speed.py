@@ -114,8 +114,9 @@ def test_a_step_is_folded_once_both_its_time_and_tokens_are_known() -> None:
     assert pending.folded and check.gain(2)[2] == pytest.approx(1.0), "counted once"
 
 
-def controller(check: bool) -> VerificationController:
-    options = PluginOptions(policy="dspark", sps_table=STARTUP_CURVE.points, recalibrate=False, check_realized_speed=check)
+def controller(check: bool, learn_step_time: bool = True) -> VerificationController:
+    options = PluginOptions(policy="dspark", sps_table=STARTUP_CURVE.points, recalibrate=False, check_realized_speed=check,
+                            measure_step_overhead=learn_step_time)
     return VerificationController(options, STARTUP_CURVE, num_speculative_tokens=7)
 
 
@@ -162,3 +163,58 @@ def test_a_vetoed_load_verifies_no_ngram_rows_either() -> None:
     assert ctrl.decide(inputs).verified.sum() == 0
     off = controller(False)
     assert off.decide(inputs).verified.sum() > 0, "verified without the check (uniform prior 0.5)"
+
+
+def serve_hybrid(ctrl: VerificationController, requests: int, steps: int, verifying_extra: float) -> list[bool]:
+    """Every request has an n-gram continuation on every step after the first (whose
+    drafter block, survival 0.05, teaches the controller not to draft); a verifying request
+    accepts one draft; a step that verifies costs `verifying_extra` seconds more than the
+    profile says. Returns, per step, whether it verified anything."""
+    now, ids, verifies = 0.0, tuple(map(str, range(requests))), []
+    for step in range(steps):
+        ctrl.step_started(now)
+        matches = np.full(requests, 0 if step == 0 else 6)
+        confidences = np.full((requests, 7), 0.05)
+        inputs = StepInputs(ids, confidences, np.full(requests, 7), np.ones(requests, bool), ngram_matches=matches)
+        verified = ctrl.decide(inputs).verified
+        tokens = requests + int(verified.sum())
+        ctrl.step_scheduled(now, tokens, num_requests=requests)
+        ctrl.observe(np.minimum(verified, 1) + 1)
+        depth = ctrl.plan_drafting(requests).depth
+        drafting = 0.001 * requests * depth
+        if depth:
+            ctrl.observe_drafting(requests, depth, requests * depth, drafting)
+        now += STARTUP_CURVE.step_time(tokens) + drafting + (verifying_extra if verified.any() else 0.0)
+        verifies.append(bool(verified.any()))
+    return verifies
+
+
+def test_a_load_where_every_step_verifies_gets_plain_reference_steps(monkeypatch) -> None:
+    """With n-gram continuations for every request on every step no step is plain, so the
+    check had no reference and could never veto, though verifying realized 2 / 2.5 of plain
+    decoding (a cost the model does not see: here its step-time fit is off, at 64 requests
+    in the serving frontier it had fitted a scale below 1). Reference steps (one plain step
+    after REFERENCE_INTERVAL speculative ones) give it one, and it vetoes."""
+    from vllm_dspark.scheduling import realized
+
+    extra = 1.5 * STARTUP_CURVE.step_time(4)
+    ctrl = controller(True, learn_step_time=False)
+    with_reference = serve_hybrid(ctrl, 4, 600, extra)
+    assert ctrl.stats.reference_steps >= 1 and ctrl.stats.vetoed_steps > 0
+    assert sum(with_reference[300:]) < 0.2 * 300, "the check keeps the load plain"
+    monkeypatch.setattr(realized, "REFERENCE_INTERVAL", 10**9)
+    without = controller(True, learn_step_time=False)
+    assert sum(serve_hybrid(without, 4, 600, extra)[300:]) > 0.9 * 300, "no reference: verification goes on"
+    assert without.stats.vetoed_steps == 0
+
+
+def test_reference_steps_cost_a_small_share_where_speculating_pays() -> None:
+    """Where verifying n-gram continuations pays (no hidden cost), the check never vetoes
+    and the reference steps are about one step in REFERENCE_INTERVAL + 1."""
+    from vllm_dspark.scheduling.realized import REFERENCE_INTERVAL
+
+    ctrl = controller(True, learn_step_time=False)
+    verifies = serve_hybrid(ctrl, 4, 600, 0.0)
+    assert ctrl.stats.vetoed_steps == 0
+    assert ctrl.stats.reference_steps <= 600 / (REFERENCE_INTERVAL + 1) + 1
+    assert sum(verifies[100:]) >= (1 - 1.5 / (REFERENCE_INTERVAL + 1)) * 500

@@ -56,6 +56,8 @@ def _engine_families(engine: int, stats: DSparkStats) -> list:
         ("drafting_seconds", "Seconds the drafter spent proposing", stats.drafting_seconds),
         ("vetoed_steps", "Steps not speculating because speculative steps at that load measured slower than plain ones",
          stats.vetoed_steps),
+        ("reference_steps", "Plain steps taken so that a load where every step verified has a plain reference",
+         stats.reference_steps),
         ("drafter_skipped_steps", "Steps the drafter was left out because every request's n-gram continuation won",
          stats.drafter_skipped_steps),
     ]:

@@ -26,6 +26,14 @@ It first lifted at the first probe above 1, which gains as widely spread as per-
 gains reach by chance at a load losing 10-20%; then at least 8 more speculative steps
 went by before the next veto. Only past steps enter, so outputs stay exact, as with
 every other input of the decision.
+
+A load where every step verifies something has no reference: with n-gram proposals
+(hybrid) some request has a continuation on nearly every step at 16 requests and more, and
+the drafter's own probes to depth 0 still verify those. There the check could never veto
+(serving frontier of 2026-12-03, 64 requests: the hybrid decoded at 0.83x plain and the
+check never fired). So after `REFERENCE_INTERVAL` speculative steps at a load without a
+plain one, `reference_due` asks the controller for one plain step (nothing drafted or
+verified), at most a 1 / (REFERENCE_INTERVAL + 1) share of a load's steps.
 """
 
 from __future__ import annotations
@@ -58,6 +66,9 @@ CONFIDENCE = 2.0
 # exceed 1.
 LIFT_PROBES = 3
 LIFT_CONFIDENCE = 1.0
+# Speculative steps at a load after which, without a plain step among them, the next step is
+# plain to refresh the reference (module docstring).
+REFERENCE_INTERVAL = 32
 
 
 def load_bucket(num_requests: int) -> int:
@@ -83,6 +94,7 @@ class StepRecord:
 class _Bucket:
     reference: float = 0.0  # measured / profiled time of plain steps
     plain_steps: int = 0
+    speculative_since_plain: int = 0
     vetoed: bool = False
     weight: float = 0.0  # decayed sums over speculative steps: sum w, sum w^2, sum w g, sum w g^2
     weight_sq: float = 0.0
@@ -116,6 +128,9 @@ class RealizedSpeed:
             weight = 1.0 if bucket.plain_steps == 0 else REFERENCE_SMOOTHING
             bucket.reference += weight * (plain_s / step.profiled_plain_s - bucket.reference)
             bucket.plain_steps += 1
+            bucket.speculative_since_plain = 0
+        elif step.verified:
+            bucket.speculative_since_plain += 1
         if not (step.verified or step.drafted) or bucket.plain_steps == 0:
             return  # nothing to compare with yet
         gain = (step.tokens / step.requests) * bucket.reference * step.profiled_plain_s / step.seconds
@@ -132,6 +147,16 @@ class RealizedSpeed:
         if bucket is None or bucket.plain_steps < MIN_PLAIN_STEPS or bucket.weight == 0.0:
             return None
         return bucket.mean_and_error()
+
+    def reference_due(self, num_requests: int) -> bool:
+        """True (once) where the last REFERENCE_INTERVAL speculative steps at this load had
+        no plain step beside them: the caller makes the next step verify nothing. The
+        count starts again now, since that step is folded only a step later."""
+        bucket = self._buckets.get(load_bucket(num_requests))
+        if bucket is None or bucket.speculative_since_plain < REFERENCE_INTERVAL:
+            return False
+        bucket.speculative_since_plain = 0
+        return True
 
     def vetoes(self, num_requests: int) -> bool:
         """The verdict at this load, updated from the gains since it last changed: True

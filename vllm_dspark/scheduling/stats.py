@@ -41,6 +41,8 @@ class DSparkStats:
     drafting_seconds: float = 0.0
     # Steps where the measured check (scheduling/realized.py) overruled speculating.
     vetoed_steps: int = 0
+    # Plain steps asked for by that check because a load had no plain step to compare with.
+    reference_steps: int = 0
     # The part of proposed / verified / accepted that came from n-gram lookups (hybrid).
     ngram_proposed: int = 0
     # Steps the worker left the drafter out because every request's n-gram continuation won.
@@ -92,7 +94,8 @@ class DSparkStats:
             f"{self.verified / max(1, self.verified_requests):.2f} tokens/request, steps "
             f"{self.step_time_scale:.2f} x the SPS profile {self.step_overhead_ms:+.1f} ms, draft depth per step "
             f"{self.draft_depth_counts} (index = depth), {self.lm_head_rows} LM-head rows, "
-            f"{self.drafting_seconds:.1f} s drafting, {self.vetoed_steps} steps not speculating on measured losses"
+            f"{self.drafting_seconds:.1f} s drafting, {self.vetoed_steps} steps not speculating on measured losses, "
+            f"{self.reference_steps} plain reference steps"
             + (f", n-gram drafts proposed {self.ngram_proposed}, verified {self.ngram_verified}, "
                f"accepted {self.ngram_accepted}, drafter left out on {self.drafter_skipped_steps} steps"
                if self.ngram_proposed else "")
