@@ -390,13 +390,13 @@ class VerificationController:
         if not self.options.adaptive_drafting:
             self.stats.record_plan(depth)
             return DraftPlan(depth, 0.0, self._drafter_skip(depth))
-        floor = self.policy.min_survival(self.policy_curve, num_requests, self.block)
         if self.realized is not None and num_requests and self.realized.reference_due(num_requests):
             # A plain step, so that the check has a reference at this load (realized.py).
             self._verification_vetoed = True
             self.stats.reference_steps += 1
             self.stats.record_plan(0)
             return DraftPlan(0, 0.0, None)
+        floor = self.policy.min_survival(self.policy_curve, num_requests, self.block)
         known = self.mean_survival is not None and bool(np.isfinite(self._survival_seen_at[:depth]).all())
         if self.policy.adaptive_depth and self.curve is not None and known and num_requests:
             vetoed = self.realized is not None and self.realized.vetoes(num_requests)

@@ -104,13 +104,16 @@ def sequential_temperature_scaling(
     return temperatures
 
 
+def loss_per_position(
+    objective: str, conf_logits: torch.Tensor, survival: torch.Tensor, temperatures: list[float], bins: int = 15
+) -> list[float]:
+    """The loss `objective` of a_k at every position k under `temperatures`."""
+    predicted, loss = survival_curves(conf_logits, temperatures), OBJECTIVES[objective]
+    return [loss(predicted[:, k], survival[:, k], bins) for k in range(predicted.shape[1])]
+
+
 def ece_per_position(conf_logits: torch.Tensor, survival: torch.Tensor, temperatures: list[float], bins: int) -> list[float]:
-    predicted = survival_curves(conf_logits, temperatures)
-    return [expected_calibration_error(predicted[:, k], survival[:, k], bins) for k in range(predicted.shape[1])]
-
-
-def brier_per_position(conf_logits: torch.Tensor, survival: torch.Tensor, temperatures: list[float]) -> list[float]:
-    return ((survival_curves(conf_logits, temperatures) - survival) ** 2).mean(0).tolist()
+    return loss_per_position("ece", conf_logits, survival, temperatures, bins)
 
 
 @torch.no_grad()
@@ -194,8 +197,8 @@ def calibrate(
         "temperatures": [round(t, 4) for t in temperatures],
         "ece_before": ece_per_position(conf_logits, survival, [1.0] * k, bins),
         "ece_after": ece_per_position(conf_logits, survival, temperatures, bins),
-        "brier_before": brier_per_position(conf_logits, survival, [1.0] * k),
-        "brier_after": brier_per_position(conf_logits, survival, temperatures),
+        "brier_before": loss_per_position("brier", conf_logits, survival, [1.0] * k),
+        "brier_after": loss_per_position("brier", conf_logits, survival, temperatures),
         "mean_survival": survival.mean(0).tolist(),
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -172,6 +172,18 @@ class EvalGuard:
         return False
 
 
+def eval_guard(eval_dir: Path | None = None) -> EvalGuard | None:
+    """The guard against the evaluation prompts in `eval_dir` (default: the configured
+    ones); None, with a warning, where that directory does not exist."""
+    eval_dir = eval_dir or default_eval_dir()
+    if not eval_dir.is_dir():
+        logger.warning("evaluation directory %s not found: leakage guard disabled", eval_dir)
+        return None
+    guard = EvalGuard(read_eval_prompts(eval_dir))
+    logger.info("guarding against %d evaluation prompts from %s", len(guard), eval_dir)
+    return guard
+
+
 # --------------------------------------------------------------------------- sources
 
 
@@ -207,7 +219,7 @@ def iter_sharegpt(path: Path) -> Iterator[dict[str, Any]]:
         yield record
 
 
-def _opening_user_turn(record: dict[str, Any]) -> str | None:
+def opening_user_turn(record: dict[str, Any]) -> str | None:
     """The user's first message, only for a conversation's first chunk.
 
     The dump splits long conversations into chunks `<id>_0`, `<id>_1`, ...; later chunks
@@ -233,7 +245,7 @@ def sharegpt_prompts(seed: int) -> tuple[list[PromptItem], list[PromptItem]]:
     seen: set[str] = set()
     rng = random.Random(f"instruction-{seed}")
     for record in iter_sharegpt(sharegpt_path()):
-        text = _opening_user_turn(record)
+        text = opening_user_turn(record)
         conv_id = str(record.get("id", ""))
         if not text or len(text) < 16 or len(text) > MAX_CHAT_CHARS or not mostly_ascii(text):
             continue
@@ -425,14 +437,7 @@ def build_prompt_mix(
     """
     if num_prompts <= 0:
         raise ValueError(f"num_prompts must be positive, got {num_prompts}")
-    eval_dir = eval_dir or default_eval_dir()
-    guard: EvalGuard | None = None
-    if eval_dir.is_dir():
-        guard = EvalGuard(read_eval_prompts(eval_dir))
-        logger.info("guarding against %d evaluation prompts from %s", len(guard), eval_dir)
-    else:
-        logger.warning("evaluation directory %s not found: leakage guard disabled", eval_dir)
-
+    guard = eval_guard(eval_dir)
     counts = domain_counts(num_prompts)
     chat, instruction = sharegpt_prompts(seed) if counts["chat"] + counts["instruction"] else ([], [])
     items = (

@@ -22,15 +22,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from vllm_dspark.cli import positive_int
-from vllm_dspark.evaluation.dataset import default_eval_dir
 from vllm_dspark.training.data import (
     MAX_CHAT_CHARS,
-    EvalGuard,
     check_target,
     check_writable,
+    eval_guard,
     iter_sharegpt,
     mostly_ascii,
-    read_eval_prompts,
+    opening_user_turn,
     sharegpt_path,
 )
 
@@ -52,17 +51,15 @@ def opening_exchanges(records: Iterator[dict[str, Any]]) -> Iterator[Exchange]:
     """First user turn and first assistant reply of every conversation's first chunk, in
     English, short enough for a 2K context; later chunks open mid-conversation."""
     for record in records:
-        conv_id = str(record.get("id", ""))
+        user = opening_user_turn(record)
         turns = record.get("conversations") or []
-        if not conv_id.endswith("_0") or len(turns) < 2:
+        if user is None or len(turns) < 2 or turns[1].get("from") not in ("gpt", "assistant"):
             continue
-        if turns[0].get("from") not in ("human", "user") or turns[1].get("from") not in ("gpt", "assistant"):
-            continue
-        user, reply = str(turns[0].get("value", "")).strip(), str(turns[1].get("value", "")).strip()
+        reply = str(turns[1].get("value", "")).strip()
         if len(user) < 16 or len(user) > MAX_CHAT_CHARS or len(reply) < 16:
             continue
         if mostly_ascii(user) and mostly_ascii(reply):
-            yield Exchange(conv_id, user, reply)
+            yield Exchange(str(record["id"]), user, reply)
 
 
 def conversation_ids(corpus: Path) -> set[str]:
@@ -104,10 +101,7 @@ def write_teacher_forced(
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{target}: the tokenizer has no end-of-turn (eos) token")
-    eval_dir = eval_dir or default_eval_dir()
-    guard = EvalGuard(read_eval_prompts(eval_dir)) if eval_dir.is_dir() else None
-    if guard is None:
-        logger.warning("evaluation directory %s not found: leakage guard disabled", eval_dir)
+    guard = eval_guard(eval_dir)
     used = conversation_ids(exclude) if exclude is not None else set()
     stats = BuildStats()
     with open(out, "w", encoding="utf-8") as f:
