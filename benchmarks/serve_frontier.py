@@ -101,6 +101,8 @@ def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str 
         "dspark, plain steps as before": dspark(policy="dspark", **curve, **PLAIN_STEPS_AS_BEFORE),
         "dspark_async": dspark(policy="dspark_async", **curve),
         "dspark + n-gram": dspark(policy="dspark", **curve, hybrid_ngram=True),
+        "dspark, per-user objective": dspark(policy="dspark", **curve, objective="per_user"),
+        "dspark + n-gram, per-user objective": dspark(policy="dspark", **curve, hybrid_ngram=True, objective="per_user"),
         "dspark + n-gram, plain steps as before": dspark(policy="dspark", **curve, hybrid_ngram=True,
                                                          **PLAIN_STEPS_AS_BEFORE),
         "dspark + n-gram, drafter left out for n-gram": dspark(policy="dspark", **curve, hybrid_ngram=True,

@@ -75,6 +75,7 @@ def run_steps(controller: VerificationController, survival: float, steps: int, r
 # already meets.
 ADAPTIVE_POLICIES = {
     "dspark": {"policy": "dspark"},
+    "dspark, per-user objective": {"policy": "dspark", "objective": "per_user"},
     "sla, unmet floors": {"policy": "sla", "min_tokens_per_s": 1000.0},
     "sla, met floors": {"policy": "sla", "min_tokens_per_s": 0.5},
 }

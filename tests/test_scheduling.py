@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from vllm_dspark.scheduling import POLICIES, SpsCurve, dspark_budget, select_verify_lengths
-from vllm_dspark.scheduling.policies import DSparkPolicy, PolicyStep
-from vllm_dspark.scheduling.ranking import tail_from
+from vllm_dspark.scheduling.policies import EARLY_STOP_MARGIN, DSparkPolicy, PolicyStep
+from vllm_dspark.scheduling.ranking import rank_by_user_gain, tail_from
 
 FLAT = SpsCurve(points=[(1, 10.0)])
 COUNTER_EXAMPLE = SpsCurve(points=[(1, 1.0), (2, 0.5), (3, 0.45)])
@@ -339,3 +339,105 @@ def test_async_matches_the_reference_order_at_every_budget(seed: int) -> None:
             expected[r] = j
         got = select_verify_lengths(c, FLAT, "dspark_async", budget=budget)
         np.testing.assert_array_equal(got, expected)
+
+
+# --- dspark's per-user objective -----------------------------------------------------------
+
+
+def reference_per_user(c: np.ndarray, sps, base_tokens: int = 0) -> np.ndarray:
+    """The per-user scan, literally: slots by log-speed gain (ties: j, then r), stop at the
+    first that does not raise sum_r log(1 + A_r) + R log SPS(B)."""
+    num_requests = c.shape[0]
+    a = np.cumprod(c, axis=1)
+    expected = np.zeros(num_requests)
+    gains = []
+    for r in range(num_requests):
+        before = 0.0
+        for j in range(c.shape[1]):
+            if a[r, j] > 0:
+                gains.append((float(np.log1p(a[r, j] / (1.0 + before))), j + 1, r))
+            before += a[r, j]
+    lengths = np.zeros(num_requests, dtype=np.int64)
+    batch = base_tokens + num_requests
+    best = num_requests * np.log(float(sps(batch)))
+    for _, j, r in sorted(gains, key=lambda g: (-g[0], g[1], g[2])):
+        lengths[r], batch = j, batch + 1
+        expected[r] += a[r, j - 1]
+        utility = np.log1p(expected).sum() + num_requests * np.log(float(sps(batch)))
+        if utility <= best:
+            lengths[r] = j - 1
+            break
+        best = utility
+    return lengths
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_per_user_objective_matches_the_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    c, curve = random_case(rng)
+    base = int(rng.integers(0, 4))
+    got = DSparkPolicy("per_user").lengths(PolicyStep(c, curve, base))
+    np.testing.assert_allclose(got, reference_per_user(c, curve, base))
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_per_user_objective_agrees_with_throughput_at_one_request(seed: int) -> None:
+    # log((1 + A) SPS) rises exactly where (1 + A) SPS does, slot by slot in block order.
+    rng = np.random.default_rng(seed)
+    c, curve = random_case(rng)
+    c = c[:1]
+    np.testing.assert_array_equal(DSparkPolicy("per_user").lengths(PolicyStep(c, curve)),
+                                  DSparkPolicy().lengths(PolicyStep(c, curve)))
+
+
+def test_per_user_objective_charges_a_lone_request_s_slots_to_everyone_it_slows() -> None:
+    # 16 requests on the CPU curve, one with a confident continuation: the tokens it gains
+    # outweigh the longer pass for throughput, not for the product of the 16 speeds.
+    cpu = SpsCurve(points=[(1, 45.7), (4, 42.9), (16, 28.1), (64, 8.77)])
+    c = np.zeros((16, 7))
+    c[0] = 0.9
+    def served(objective: str, confidences: np.ndarray) -> np.ndarray:
+        """A second call, as in the engine: the first one's ranked values are the history."""
+        policy = DSparkPolicy(objective)  # type: ignore[arg-type]
+        policy.lengths(PolicyStep(confidences, cpu))
+        return policy.lengths(PolicyStep(confidences, cpu))
+
+    throughput, per_user = served("throughput", c), served("per_user", c)
+    assert throughput[0] >= 2 and per_user[0] < throughput[0]
+    # Drafts as confident for every request still pay per user, though the first slot alone
+    # costs the 16 requests more than it gains: the history shows the others coming.
+    everyone = np.full((16, 7), 0.9)
+    assert DSparkPolicy("per_user").lengths(PolicyStep(everyone, cpu)).sum() == 0
+    assert (served("per_user", everyone) >= 1).all()
+
+
+def test_per_user_order_keeps_each_request_s_block_in_position_order() -> None:
+    rng = np.random.default_rng(0)
+    c = rng.choice([0.0, 0.3, 0.6, 0.9, 1.0], size=(12, 6))
+    order, gains = rank_by_user_gain(c)
+    assert (np.diff(gains) <= 0).all()
+    seen = np.zeros(12, dtype=np.int64)
+    for r, j in zip(order.requests(), order.positions()):
+        assert j == seen[r] + 1, "a request's slots come in block order"
+        seen[r] = j
+
+
+@pytest.mark.parametrize("objective", ["throughput", "per_user"])
+@pytest.mark.parametrize("seed", range(20))
+def test_no_slot_below_the_drafting_floor_is_ever_verified(objective: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    requests = int(rng.integers(1, 24))
+    sizes = np.array([1, 4, 16, 64, 256])
+    curve = SpsCurve(points=list(zip(sizes.tolist(), np.sort(rng.uniform(1.0, 50.0, 5))[::-1].tolist())))
+    policy = DSparkPolicy(objective)
+    bound = policy.min_survival(curve, requests, 7) / EARLY_STOP_MARGIN
+    c = rng.uniform(0.0, 1.0, size=(requests, 7)) ** rng.uniform(0.1, 2.0)
+    lengths = policy.lengths(PolicyStep(c, curve))
+    survival = np.cumprod(c, axis=1)
+    verified = np.arange(7) < lengths[:, None]
+    assert (survival[verified] >= bound).all()
+
+
+def test_unknown_objective_is_refused() -> None:
+    with pytest.raises(ValueError, match="objective"):
+        DSparkPolicy("fair")  # type: ignore[arg-type]

@@ -61,10 +61,10 @@ def chi_square(counts: np.ndarray, probabilities: np.ndarray) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def dspark_after(history: list[list[float]]):
+def dspark_after(history: list[list[float]], objective: str = "throughput"):
     """dspark as the engine runs it: one policy object that has seen an earlier step."""
     def schedule(c: np.ndarray, curve: SpsCurve = CURVE) -> np.ndarray:
-        policy = DSparkPolicy()
+        policy = DSparkPolicy(objective)  # type: ignore[arg-type]
         policy.lengths(PolicyStep(np.asarray(history, dtype=np.float64), curve))
         return policy.lengths(PolicyStep(np.asarray(c, dtype=np.float64), curve))
     return schedule
@@ -75,6 +75,8 @@ SCHEDULES = {
     # With a history predicting a strong tail the scan steps over SPS(2)'s cliff: it
     # verifies x_1 after A and after B alike, and x_2 only after A (c_2 reads x_1).
     "dspark_past_the_cliff": dspark_after([[0.8, 0.9]]),
+    "dspark_per_user": lambda c: DSparkPolicy("per_user").lengths(PolicyStep(np.asarray(c, dtype=np.float64), CURVE)),
+    "dspark_per_user_past_the_cliff": dspark_after([[0.8, 0.9]], "per_user"),
     # A budget from an earlier step does not depend on x_1: exact even without early stop.
     "async_old_budget": lambda c: select_verify_lengths(
         c, CURVE, "dspark_async", budget=dspark_budget([[0.8, 0.9]], CURVE)
@@ -113,6 +115,7 @@ LOSSLESS = {
     "fixed": {"k": 2},
     "threshold": {"threshold": 0.4},
     "dspark": {},
+    "dspark, per-user objective": {"objective": "per_user"},
     "dspark_async": {"budget": 5},
     "sla": {"min_tokens_per_s": 0.9},
 }
@@ -143,14 +146,15 @@ def anticipation_violations(schedule, seeds: range) -> int:
 @pytest.mark.parametrize("policy", LOSSLESS)
 def test_policies_do_not_anticipate(policy: str) -> None:
     def schedule(c: np.ndarray, curve: SpsCurve) -> np.ndarray:
-        return select_verify_lengths(c, curve, policy, **LOSSLESS[policy])
+        return select_verify_lengths(c, curve, policy.split(",")[0], **LOSSLESS[policy])
 
     assert anticipation_violations(schedule, range(150)) == 0
 
 
-def test_dspark_with_history_does_not_anticipate() -> None:
+@pytest.mark.parametrize("objective", ["throughput", "per_user"])
+def test_dspark_with_history_does_not_anticipate(objective: str) -> None:
     history = np.random.default_rng(7).uniform(0.5, 1.0, size=(3, 4))
-    schedule = dspark_after(history.tolist())
+    schedule = dspark_after(history.tolist(), objective)
     assert anticipation_violations(schedule, range(150)) == 0
 
 

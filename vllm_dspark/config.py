@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from vllm_dspark.scheduling.policies import POLICY_TYPES, PolicyName
+from vllm_dspark.scheduling.policies import POLICY_TYPES, Objective, PolicyName
 
 if TYPE_CHECKING:
     from vllm_dspark.scheduling.sps import SpsCurve
@@ -193,6 +193,9 @@ class PluginOptions(BaseModel):
     # With sps_profile "auto": measure the curve at start-up when no cached one exists.
     profile_at_startup: bool = False
     min_tokens_per_s: float = Field(default=0.0, ge=0.0)
+    # dspark policy: what each step maximises, the engine's expected tokens per second or
+    # the product of the requests' expected speeds (scheduling/policies.py, DSparkPolicy).
+    objective: Objective = "throughput"
     # Learn how the served steps relate to the curve (scale and offset, scheduling/overhead.py).
     measure_step_overhead: bool = True
     # Correct the drafter's confidences per position from the acceptance observed while
@@ -266,7 +269,8 @@ class PluginOptions(BaseModel):
                     "measured now): the default when only --speculative-config is given")
         curve = "no curve" if self.sps_table is None and self.sps_profile is None else (
             f"sps_profile {self.sps_profile!r}" if self.sps_profile else f"an sps_table of {len(self.sps_table or [])} points")
-        return f"policy '{self.policy}' with {curve}" + ("" if self.adaptive_drafting else ", drafting all K")
+        return (f"policy '{self.policy}' with {curve}" + ("" if self.adaptive_drafting else ", drafting all K")
+                + (", per-user objective" if self.policy == "dspark" and self.objective == "per_user" else ""))
 
     @classmethod
     def from_additional_config(cls, additional_config: dict[str, Any] | None) -> "PluginOptions":

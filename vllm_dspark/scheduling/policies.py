@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 
 PolicyName = Literal["fixed", "threshold", "dspark", "dspark_async", "sla"]
 POLICIES: tuple[str, ...] = get_args(PolicyName)
+# What the dspark policy maximises per step (DSparkPolicy): expected tokens per second of
+# the engine, or the product of the requests' expected speeds.
+Objective = Literal["throughput", "per_user"]
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
 # Top-`budget` admission over the candidate order: NumPy here, a GPU kernel in the engine.
 Admission = Callable[[np.ndarray, int], np.ndarray]
 
@@ -113,20 +117,22 @@ class ThresholdPolicy(VerifyPolicy):
 EARLY_STOP_MARGIN = 0.5
 
 
-def never_verified_below(sps: SpsFunction, num_requests: int, block: int) -> float:
+def never_verified_below(sps: SpsFunction, num_requests: int, block: int, per_user: bool = False) -> float:
     """The drafting early stop of the policies that verify a candidate only if it raises
     expected throughput (dspark, sla). The dspark scan admits candidate n only if
     a_n > tau(n-1) * (SPS(B-1) / SPS(B+m) - 1) / (m+1) for some m >= 0 (m = 0: the plain
     early stop; sla only ever uses m = 0), and tau >= R (every request's own token). That
     average relative step-cost increase is at least the smallest one-token increase, so
     below R times the smallest over the pass sizes the step can reach no slot is ever
-    verified; `EARLY_STOP_MARGIN` of that bound is returned."""
+    verified; `EARLY_STOP_MARGIN` of that bound is returned. `per_user` (dspark's per-user
+    objective): a slot is admitted only if its gain u_n > R log(SPS(B-1) / SPS(B)), and
+    a_n >= u_n, so the bound takes the log of one plus the increase instead."""
     if num_requests == 0 or block == 0:
         return 0.0
     batch = np.arange(num_requests, num_requests * (block + 1) + 1, dtype=np.float64)
     steps = np.asarray(sps(batch), dtype=np.float64)
-    increase = steps[:-1] / steps[1:] - 1.0
-    return EARLY_STOP_MARGIN * num_requests * max(0.0, float(increase.min()))
+    increase = max(0.0, float((steps[:-1] / steps[1:] - 1.0).min()))
+    return EARLY_STOP_MARGIN * num_requests * (np.log1p(increase) if per_user else increase)
 
 
 class DSparkPolicy(VerifyPolicy):
@@ -135,22 +141,51 @@ class DSparkPolicy(VerifyPolicy):
     (the previous call's ranked survivals, capped by its own) could still make verifying
     more pay: a cliff of a jagged SPS curve (`ranking.cliff_aware_stop`). Neither stop reads
     a later candidate of this step, so both are lossless; a first call (no history) is the
-    plain early stop."""
+    plain early stop.
+
+    `objective="per_user"` maximises the sum over requests of log expected speed,
+    sum_r log(1 + A_r) + R log SPS(B), instead of tau * SPS(B): the product of the
+    requests' speeds, so a slot counts by how much it speeds up its own request, and a
+    pass lengthened for one request is charged to every request it slows (throughput
+    verifies a confident slot of one request whenever the tokens gained outweigh the
+    longer pass). At one request the two agree. Measured on a CPU (SmolLM2, R = 1 to 16)
+    it gained nothing beyond the spread between waves, so it is an option, not the default
+    (benchmarks/results/per_user_objective/). It scans `ranking.rank_by_user_gain`'s
+    order, lossless by the same argument. Its look-ahead matters beyond cliffs: the log
+    of an affine step time is concave, so the first of many equally confident slots can
+    cost every request more than it gains while all of them together pay; the previous
+    call's ranked gains say whether they come."""
 
     name = "dspark"
+    serving_options = ("objective",)
     needs_curve = True
     adaptive_depth = True
 
-    def __init__(self) -> None:
-        self._previous: tuple[np.ndarray, int] | None = None  # last call's ranked survivals, R
+    def __init__(self, objective: Objective = "throughput") -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"dspark objective must be one of {OBJECTIVES}, got {objective!r}")
+        self.objective = objective
+        self._previous: tuple[np.ndarray, int] | None = None  # last call's ranked values, R
 
     def min_survival(self, sps: SpsFunction, num_requests: int, block: int) -> float:
-        return never_verified_below(sps, num_requests, block)
+        return never_verified_below(sps, num_requests, block, per_user=self.objective == "per_user")
 
     def lengths(self, step: PolicyStep) -> np.ndarray:
-        order = ranking.rank_candidates(step.confidences)
-        tau, steps = ranking.expected_throughput(order, step.sps, step.base_tokens)
         num_requests, block = step.confidences.shape
+        if self.objective == "per_user":
+            order, values = ranking.rank_by_user_gain(step.confidences)
+            totals = np.r_[0.0, np.cumsum(values)]
+            steps = ranking.pass_sps(step.sps, step.base_tokens + num_requests, len(values) + 1)
+
+            def combine(gains: np.ndarray, sps: np.ndarray) -> np.ndarray:
+                return gains + num_requests * np.log(np.maximum(sps, 1e-300))
+        else:
+            order = ranking.rank_candidates(step.confidences)
+            values = order.survival
+            totals, steps = ranking.expected_throughput(order, step.sps, step.base_tokens)
+
+            def combine(tau: np.ndarray, sps: np.ndarray) -> np.ndarray:
+                return tau * sps
         previous, slots = self._previous, num_requests * block
 
         def lookahead() -> tuple[np.ndarray, np.ndarray]:
@@ -158,9 +193,10 @@ class DSparkPolicy(VerifyPolicy):
             reach = ranking.pass_sps(step.sps, step.base_tokens + num_requests, slots + 1)
             return reach, ranking.tail_from(*previous, num_requests, slots)
 
-        theta = tau * steps
-        count = ranking.cliff_aware_stop(theta[1:] > theta[:-1], order, tau, theta, None if previous is None else lookahead)
-        self._previous = (order.survival, num_requests)
+        objective = combine(totals, steps)
+        count = ranking.cliff_aware_stop(objective[1:] > objective[:-1], values, totals, objective, combine,
+                                         None if previous is None else lookahead)
+        self._previous = (values, num_requests)
         return ranking.lengths_of_prefix(order, count)
 
 

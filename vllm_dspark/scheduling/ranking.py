@@ -46,7 +46,7 @@ def check_confidences(confidences: np.ndarray) -> np.ndarray:
 class Ranking(NamedTuple):
     """Candidates with a > 0 in scheduling order, and the survival table they come from."""
 
-    survival: np.ndarray  # a of each candidate, descending
+    survival: np.ndarray  # a of each candidate in order (descending in `rank_candidates`)
     order: np.ndarray  # flat position-major index (j - 1) * R + r of each candidate
     num_requests: int
     table: np.ndarray  # a[r, j] stored position-major, shape [K, R]
@@ -106,6 +106,24 @@ def rank_candidates(c: np.ndarray, weights: np.ndarray | None = None) -> Ranking
     return Ranking(ranked[:count], order[:count], c.shape[0], table)
 
 
+def rank_by_user_gain(c: np.ndarray) -> tuple[Ranking, np.ndarray]:
+    """The candidate order of the per-user objective, and each candidate's gain in it.
+
+    Verifying slot (r, j) raises request r's expected tokens this step from 1 + A[r, j-1]
+    to 1 + A[r, j] (A the running sum of its survivals), a gain in log speed of
+    u[r, j] = log(1 + a[r, j] / (1 + A[r, j-1])). Candidates are ranked by u descending,
+    ties as in `rank_candidates` (smaller j, then smaller r). u falls strictly along a
+    request's block (a does not rise and A grows), so every prefix of this order still
+    verifies a prefix of each request's block, and u[r, j] reads only c[r, 1..j]: the
+    two properties that keep an early-stopping scan lossless (module docstring).
+    """
+    table = np.cumprod(c.T, axis=0)
+    gains = np.log1p(table / (1.0 + np.cumsum(table, axis=0) - table))
+    order, ranked = _descending_order(gains.ravel())  # gains lie in [0, log 2]
+    count = np.count_nonzero(ranked)
+    return Ranking(table.ravel()[order[:count]], order[:count], c.shape[0], table), ranked[:count]
+
+
 def expected_throughput(
     ranking: Ranking, sps: SpsFunction, base_tokens: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -131,52 +149,57 @@ def pass_sps(sps: SpsFunction, first: int, count: int) -> np.ndarray:
 
 def cliff_aware_stop(
     improves: np.ndarray,
-    ranking: Ranking,
-    tau: np.ndarray,
-    theta: np.ndarray,
+    values: np.ndarray,
+    totals: np.ndarray,
+    objective: np.ndarray,
+    combine: Callable[[np.ndarray, np.ndarray], np.ndarray],
     lookahead: Callable[[], tuple[np.ndarray, np.ndarray]] | None,
     max_checks: int = MAX_CLIFF_CHECKS,
 ) -> int:
     """Number of candidates an early-stopping scan verifies when it may step over a cliff of
-    the SPS curve. `improves[n]` says whether candidate n raises theta = tau * SPS; at a
-    candidate that does not, the scan goes on if verifying it and the candidates expected
-    after it could still beat the current theta. `lookahead()` gives (reach, expected_tail),
-    built only when a stop is questioned (not on the hot path otherwise): reach[m] the SPS
-    with m slots verified, up to all R * K (`pass_sps`), expected_tail[m] rank m's survival
-    in an earlier step rescaled to this step's requests (`tail_from`), capped here by the
-    current candidate's own a_n, which bounds every later one. `tau`, `theta` are per
-    prefix (from `expected_throughput`). Without a `lookahead` it is the plain early stop.
+    the SPS curve. The scan's objective after n candidates is objective[n] =
+    combine(totals[n], SPS(B(n))), with totals[n] the sum of the first n candidates'
+    `values` (throughput: tau from the survivals, combined as tau * SPS; the per-user
+    objective: the sum of log-speed gains, combined as gains + R log SPS); `improves[n]`
+    says whether candidate n raises it. At a candidate that does not, the scan goes on if
+    verifying it and the candidates expected after it could still beat the current
+    objective. `lookahead()` gives (reach, expected_tail), built only when a stop is
+    questioned (not on the hot path otherwise): reach[m] the SPS with m slots verified, up
+    to all R * K (`pass_sps`), expected_tail[m] the value of rank m in an earlier step
+    rescaled to this step's requests (`tail_from`), capped here by the current candidate's
+    own value, which bounds every later one (values come in descending order). Without a
+    `lookahead` it is the plain early stop.
 
     Lossless like the plain early stop: whether candidate n is verified depends only on the
-    survivals of candidates 0..n (which read no token of request r beyond position j), on
+    values of candidates 0..n (which read no token of request r beyond position j), on
     earlier steps and on constants, never on how many candidates follow n or their
-    survivals. An estimate can be too high, so the scan may end just past a cliff below the
-    theta it had before it; going back would read later confidences (DSPARK.md's
+    values. An estimate can be too high, so the scan may end just past a cliff below the
+    objective it had before it; going back would read later confidences (DSPARK.md's
     counter-example).
     """
     count = stopping_point(improves)
-    if lookahead is None or count >= len(ranking.survival):
+    if lookahead is None or count >= len(values):
         return count
     reach, expected_tail = lookahead()
     slots = len(reach) - 1
     for _ in range(max_checks):
-        if count >= len(ranking.survival):
+        if count >= len(values):
             break
-        expected = np.minimum(ranking.survival[count], expected_tail[count:slots])
-        expected[0] = ranking.survival[count]  # the candidate itself is known
-        if not (((tau[count] + np.cumsum(expected)) * reach[count + 1:]) > theta[count]).any():
+        expected = np.minimum(values[count], expected_tail[count:slots])
+        expected[0] = values[count]  # the candidate itself is known
+        if not (combine(totals[count] + np.cumsum(expected), reach[count + 1:]) > objective[count]).any():
             break
         count += 1 + stopping_point(improves[count + 1:])
     return count
 
 
-def tail_from(survival: np.ndarray, num_requests: int, for_requests: int, slots: int) -> np.ndarray:
-    """Ranked survivals of an earlier step with `num_requests` requests, as an estimate for
-    ranks 0..slots-1 of a step with `for_requests`: rank m reads the earlier rank
-    m * num_requests / for_requests (0 beyond the earlier candidates)."""
+def tail_from(values: np.ndarray, num_requests: int, for_requests: int, slots: int) -> np.ndarray:
+    """Ranked candidate values of an earlier step with `num_requests` requests, as an
+    estimate for ranks 0..slots-1 of a step with `for_requests`: rank m reads the earlier
+    rank m * num_requests / for_requests (0 beyond the earlier candidates)."""
     ranks = (np.arange(slots) * num_requests) // max(1, for_requests)
-    padded = np.append(survival, 0.0)
-    return padded[np.minimum(ranks, len(survival))]
+    padded = np.append(values, 0.0)
+    return padded[np.minimum(ranks, len(values))]
 
 
 def stopping_point(improves: np.ndarray) -> int:
