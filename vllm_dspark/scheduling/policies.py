@@ -194,7 +194,7 @@ class DSparkPolicy(VerifyPolicy):
             return reach, ranking.tail_from(*previous, num_requests, slots)
 
         objective = combine(totals, steps)
-        count = ranking.cliff_aware_stop(objective[1:] > objective[:-1], values, totals, objective, combine,
+        count = ranking.cliff_aware_stop(values, totals, objective, combine,
                                          None if previous is None else lookahead)
         self._previous = (values, num_requests)
         return ranking.lengths_of_prefix(order, count)

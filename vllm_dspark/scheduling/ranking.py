@@ -148,7 +148,6 @@ def pass_sps(sps: SpsFunction, first: int, count: int) -> np.ndarray:
 
 
 def cliff_aware_stop(
-    improves: np.ndarray,
     values: np.ndarray,
     totals: np.ndarray,
     objective: np.ndarray,
@@ -160,8 +159,7 @@ def cliff_aware_stop(
     the SPS curve. The scan's objective after n candidates is objective[n] =
     combine(totals[n], SPS(B(n))), with totals[n] the sum of the first n candidates'
     `values` (throughput: tau from the survivals, combined as tau * SPS; the per-user
-    objective: the sum of log-speed gains, combined as gains + R log SPS); `improves[n]`
-    says whether candidate n raises it. At a candidate that does not, the scan goes on if
+    objective: the sum of log-speed gains, combined as gains + R log SPS). At a candidate that does not, the scan goes on if
     verifying it and the candidates expected after it could still beat the current
     objective. `lookahead()` gives (reach, expected_tail), built only when a stop is
     questioned (not on the hot path otherwise): reach[m] the SPS with m slots verified, up
@@ -177,6 +175,7 @@ def cliff_aware_stop(
     objective it had before it; going back would read later confidences (DSPARK.md's
     counter-example).
     """
+    improves = objective[1:] > objective[:-1]  # whether candidate n raises the objective
     count = stopping_point(improves)
     if lookahead is None or count >= len(values):
         return count
