@@ -17,6 +17,9 @@ read from the profile as milliseconds per engine step:
 
 cProfile slows Python-heavy code a little; compare rows within one run. The plain decode
 step (no speculation) of the same run gives the ratio the drafting-cost goal is stated in.
+Below each R's rows, one row per lever of the drafting-cost issue: what a built lever saved
+between two rows, and what a lever not built could save at most (the measured time of the
+work it would remove; the allocation bound comes from drafting_allocations.json).
 Writes benchmarks/results/drafting_breakdown.{json,md}.
 
     git archive be23e44 examples/drafters/smollm2-dspark-b7 | tar -x -C runs/previous   # full vocabulary
@@ -56,17 +59,27 @@ STEP = ("gpu_model_runner.py", "execute_model")
 # Rows of this report: (label, which drafter, configuration of serve_frontier.py; one home
 # for the settings). "full" is a full-vocabulary drafter (`--full-vocab-drafter`), where the
 # drafting-cost work started; "served" is the committed drafter with its reduced vocabulary.
+FLOOR = "never drafting (fixed k=0): the speculative path's floor"
+FLOOR_BEFORE = "never drafting, plain steps as before (context every step, rejection sampler)"
+FULL_ALL_K = "full vocabulary, drafting all K (where it started)"
+FULL_ADAPTIVE = "full vocabulary, adaptive drafting"
+REDUCED_ALL_K = "{vocab}-word vocabulary, drafting all K"
+SERVED = "{vocab}-word vocabulary, adaptive drafting (served)"
 ROWS: list[tuple[str, str, str]] = [
     ("no-spec", "served", "no-spec"),
-    ("never drafting (fixed k=0): the speculative path's floor", "served", "never drafting (fixed k=0)"),
-    ("never drafting, plain steps as before (context every step, rejection sampler)", "served",
-     "never drafting, plain steps as before"),
-    ("full vocabulary, drafting all K (where it started)", "full", "dspark, drafting all K"),
-    ("full vocabulary, adaptive drafting", "full", "dspark"),
-    ("{vocab}-word vocabulary, drafting all K", "served", "dspark, drafting all K"),
-    ("{vocab}-word vocabulary, adaptive drafting (served)", "served", "dspark"),
+    (FLOOR, "served", "never drafting (fixed k=0)"),
+    (FLOOR_BEFORE, "served", "never drafting, plain steps as before"),
+    (FULL_ALL_K, "full", "dspark, drafting all K"),
+    (FULL_ADAPTIVE, "full", "dspark"),
+    (REDUCED_ALL_K, "served", "dspark, drafting all K"),
+    (SERVED, "served", "dspark"),
     ("{vocab}-word vocabulary, fixed k=1", "served", "fixed-k1 (MTP-1-like)"),
 ]
+
+
+def draft_vocab_label(drafter: str) -> str:
+    """The drafter's draft-vocabulary size as the row labels name it ("full" without one)."""
+    return str(json.loads((Path(drafter) / "config.json").read_text()).get("draft_vocab_size") or "full")
 
 
 def configurations(served: str, full: str | None, k: int) -> dict[str, dict]:
@@ -75,7 +88,7 @@ def configurations(served: str, full: str | None, k: int) -> dict[str, dict]:
 
     drafters = {"served": served} | ({} if full is None else {"full": full})
     available = {which: frontier_configurations(path, k) for which, path in drafters.items()}
-    vocab = json.loads((Path(served) / "config.json").read_text()).get("draft_vocab_size") or "full"
+    vocab = draft_vocab_label(served)
     return {label.format(vocab=vocab): available[which][name] for label, which, name in ROWS if which in available}
 
 
@@ -114,8 +127,45 @@ def profile_configuration(target: str, settings: dict, concurrency: int, max_tok
     return row
 
 
+ALLOCATIONS = RESULTS / "drafting_allocations.json"  # the allocation lever's bound (drafting_allocations.py)
+
+
+def lever_rows(rows: dict[str, dict], vocab: str, allocations_ms: float | None) -> list[str]:
+    """One row per lever of issue 11 at one R, read off this run's rows: what was built and
+    what it saved, or, for a lever not built, the most it could save (the time of exactly the
+    work it would remove)."""
+    full_all, full_adaptive = rows.get(FULL_ALL_K), rows.get(FULL_ADAPTIVE)
+    all_k, served = rows.get(REDUCED_ALL_K.format(vocab=vocab)), rows.get(SERVED.format(vocab=vocab))
+    floor, before = rows.get(FLOOR), rows.get(FLOOR_BEFORE)
+    lines = []
+    if full_all and all_k:
+        lines.append(f"| reduced draft vocabulary ({vocab} words) | built | LM head {full_all['LM head']:.1f} -> {all_k['LM head']:.1f} ms, "
+                     f"drafting {full_all['drafting total']:.1f} -> {all_k['drafting total']:.1f} ms (all K drafted) |")
+    if all_k and served:
+        lines.append(f"| whether and how deep to draft (adaptive drafting, early stop) | built | drafting {all_k['drafting total']:.1f} -> "
+                     f"{served['drafting total']:.1f} ms per step (full vocabulary: "
+                     + (f"{full_all['drafting total']:.1f} -> {full_adaptive['drafting total']:.1f} ms" if full_all and full_adaptive else "not run")
+                     + ") |")
+    if floor and before:
+        lines.append(f"| steps that draft nothing run as plain ones (deferred context, no rejection sampler) | built | "
+                     f"step {before['step']:.1f} -> {floor['step']:.1f} ms, context K/V {before['context K/V']:.1f} -> {floor['context K/V']:.1f} ms, "
+                     f"rejection sampler {before['rejection sampler']:.1f} -> {floor['rejection sampler']:.1f} ms |")
+    if served and all_k:
+        lines.append(f"| Markov bias on the top-k of the base logits only | not built | at most its whole bias: {served['Markov bias']:.2f} ms "
+                     f"served, {all_k['Markov bias']:.2f} ms with all K drafted |")
+    if served:
+        lines.append(f"| no Python loops over requests | built (the stage loops over positions only) | sequential stage's bookkeeping "
+                     f"(`sampling etc.`) {served['sampling etc.']:.2f} ms served |")
+    if allocations_ms is not None:
+        lines.append(f"| no per-step allocations (preallocated buffers) | not built | at most {allocations_ms:.2f} ms: the stage's allocations "
+                     "alone, all K drafted (`drafting_allocations.md`) |")
+    return lines
+
+
 def write(results: dict, meta: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
+    allocations = {row["requests"]: row["allocations_alone_ms"]
+                   for row in json.loads(ALLOCATIONS.read_text())["rows"]} if ALLOCATIONS.exists() else {}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     columns = ["step", "target forward", "drafting total", "drafter backbone", "context K/V", "LM head",
                "Markov bias", "confidence", "sampling etc.", "host copies", "rejection sampler", "scheduler"]
@@ -133,7 +183,8 @@ def write(results: dict, meta: dict, out: Path) -> None:
         for name, row in rows.items():
             ratio = f"{row['drafting total'] / plain:.0%}" if plain and name != "no-spec" else "-"
             lines.append(f"| {name} | {row['per_user_tok_s']:.2f} | " + " | ".join(f"{row[c]:.1f}" for c in columns) + f" | {ratio} |")
-        lines.append("")
+        lines += ["", f"Levers at R = {r} (milliseconds per engine step, from the rows above):", "",
+                  "| lever | state | measured |", "|---|---|---|", *lever_rows(rows, meta["vocab"], allocations.get(int(r))), ""]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -161,7 +212,7 @@ def main() -> int:
                 row = pool.apply(profile_configuration, (target, settings, r, args.max_tokens))
             results[str(r)][name] = row
             print(f"R={r} {name}: step {row['step']:.1f} ms, drafting {row['drafting total']:.1f} ms", flush=True)
-    meta = {"target": target, "drafter": args.drafter, "full_vocab_drafter": args.full_vocab_drafter, "k": args.k,
+    meta = {"target": target, "drafter": args.drafter, "full_vocab_drafter": args.full_vocab_drafter, "k": args.k, "vocab": draft_vocab_label(args.drafter),
             "max_tokens": args.max_tokens, "hardware": hardware_name(), "date": time.strftime("%Y-%m-%d %H:%M")}
     write(results, meta, args.out)
     print(f"wrote {args.out.with_suffix('.md')}")

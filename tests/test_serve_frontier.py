@@ -77,11 +77,16 @@ def test_waves_are_interleaved_in_rotating_order():
     assert row["wave_spread_seconds"] == [2.0, 4.0]
 
 
-def test_drafting_breakdown_rows_name_the_drafter_they_serve(tmp_path: Path, monkeypatch):
+def load_breakdown(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # the breakdown imports serve_frontier
     spec = importlib.util.spec_from_file_location("drafting_breakdown", REPO / "benchmarks" / "drafting_breakdown.py")
     breakdown = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(breakdown)
+    return breakdown
+
+
+def test_drafting_breakdown_rows_name_the_drafter_they_serve(tmp_path: Path, monkeypatch):
+    breakdown = load_breakdown(monkeypatch)
     served = tmp_path / "served"
     served.mkdir()
     (served / "config.json").write_text(json.dumps({"draft_vocab_size": 4096}))
@@ -93,3 +98,23 @@ def test_drafting_breakdown_rows_name_the_drafter_they_serve(tmp_path: Path, mon
     assert PluginOptions.from_additional_config(rows["4096-word vocabulary, drafting all K"]["additional_config"]).adaptive_drafting is False
     without_full = breakdown.configurations(str(served), None, 7)
     assert not any(name.startswith("full vocabulary") for name in without_full)
+
+
+def test_drafting_breakdown_lever_rows_read_the_measured_rows(monkeypatch):
+    breakdown = load_breakdown(monkeypatch)
+    rows = {
+        breakdown.FULL_ALL_K: {"step": 90.0, "drafting total": 44.0, "LM head": 33.0, "Markov bias": 3.0, "context K/V": 1.0,
+                               "rejection sampler": 1.0, "sampling etc.": 2.0},
+        breakdown.REDUCED_ALL_K.format(vocab="4096"): {"step": 60.0, "drafting total": 8.0, "LM head": 1.5, "Markov bias": 0.4,
+                                                      "context K/V": 1.0, "rejection sampler": 1.0, "sampling etc.": 0.9},
+        breakdown.SERVED.format(vocab="4096"): {"step": 50.0, "drafting total": 5.0, "LM head": 0.5, "Markov bias": 0.1,
+                                               "context K/V": 1.0, "rejection sampler": 0.6, "sampling etc.": 0.3},
+    }
+    lines = breakdown.lever_rows(rows, "4096", 0.11)
+    text = "\n".join(lines)
+    assert "LM head 33.0 -> 1.5 ms, drafting 44.0 -> 8.0 ms" in text  # built: the pair of rows it separates
+    assert "drafting 8.0 -> 5.0 ms per step (full vocabulary: not run)" in text
+    assert "at most its whole bias: 0.10 ms served, 0.40 ms with all K drafted" in text  # not built: its bound
+    assert "at most 0.11 ms" in text
+    assert not any("deferred context" in line for line in lines)  # its two floor rows were not measured
+    assert not any("allocations" in line for line in breakdown.lever_rows(rows, "4096", None))
