@@ -39,6 +39,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+ALLOCATIONS = RESULTS / "drafting_allocations.json"  # the allocation lever's bound (drafting_allocations.py)
 # (file suffix, function name) per stage; the outermost match (largest cumulative time).
 STAGES: dict[str, list[tuple[str, str]]] = {
     "target forward": [("gpu_model_runner.py", "_model_forward")],
@@ -125,9 +126,6 @@ def profile_configuration(target: str, settings: dict, concurrency: int, max_tok
     row["steps"] = steps
     row["per_user_tok_s"] = max_tokens / wave
     return row
-
-
-ALLOCATIONS = RESULTS / "drafting_allocations.json"  # the allocation lever's bound (drafting_allocations.py)
 
 
 def lever_rows(rows: dict[str, dict], vocab: str, allocations_ms: float | None) -> list[str]:
