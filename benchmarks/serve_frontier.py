@@ -9,7 +9,8 @@ each configuration runs one wave in turn (the order rotates between repeats), so
 stretch of the shared machine hits every row alike instead of whichever row ran then (a
 sequential run here once saw the same no-spec engine 20% slower at its end than at its
 start). A wave is R chat prompts (eval prompts: mixed domains, or only code or only chat
-with `--prompts`) at once with exactly `--max-tokens` output tokens each (ignore_eos), so
+with `--prompts`; each repeat takes the next R prompts, the same ones for every
+configuration, so a cell's waves cover R x repeats prompts) at once with exactly `--max-tokens` output tokens each (ignore_eos), so
 per-user speed = max_tokens / wave time and system throughput = R * max_tokens / wave
 time. The decode
 speed per user (tokens after the first over the time between first and last token, the
@@ -62,15 +63,17 @@ PROMPT_SETS = {"mixed": ("gsm8k.jsonl", "humaneval.jsonl", "mt-bench.jsonl"),
                "code": ("humaneval.jsonl",), "chat": ("mt-bench.jsonl",)}
 
 
-def eval_prompts(count: int, prompt_set: str = "mixed") -> list[list[dict]]:
-    """First user turns, round-robin over the set's eval files (repeated when too few)."""
-    per_file = []
-    for name in PROMPT_SETS[prompt_set]:
-        lines = (default_eval_dir() / name).read_text().splitlines()
-        turns = [json.loads(line)["turns"][0] for line in lines]
-        per_file.append([turns[i % len(turns)] for i in range(count)])
-    mixed = [turns[i] for i in range(count) for turns in per_file]
-    return [[{"role": "user", "content": text}] for text in mixed[:count]]
+def eval_prompts(count: int, prompt_set: str = "mixed", offset: int = 0) -> list[list[dict]]:
+    """First user turns `offset` to `offset + count` of the set's eval files taken round-robin
+    (each file repeated when too few)."""
+    files = [[json.loads(line)["turns"][0] for line in (default_eval_dir() / name).read_text().splitlines()]
+             for name in PROMPT_SETS[prompt_set]]
+
+    def turn(j: int) -> str:
+        turns = files[j % len(files)]
+        return turns[(j // len(files)) % len(turns)]
+
+    return [[{"role": "user", "content": turn(j)}] for j in range(offset, offset + count)]
 
 
 # Steps that draft nothing as they ran before the lean plain step: the context K/V written
@@ -152,7 +155,8 @@ def wave_timing(outputs) -> dict:
 
 def serve_waves(conn, target: str, settings: dict, max_num_seqs: int, max_tokens: int, prompt_set: str) -> None:
     """Engine process: build the engine, warm it up, then run one wave per request on
-    `conn` (a concurrency R; None ends it) and answer with its timing and counters."""
+    `conn` (a concurrency R and the offset of its first prompt; None ends it) and answer
+    with its timing and counters."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override engine_kwargs' KV cache size
     from vllm import LLM, SamplingParams
@@ -161,9 +165,10 @@ def serve_waves(conn, target: str, settings: dict, max_num_seqs: int, max_tokens
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.chat(eval_prompts(1, prompt_set), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     conn.send({"spec": spec_counters(llm), "plugin": plugin_stats(llm), "curve": engine_curve(llm)})
-    while (r := conn.recv()) is not None:
+    while (wave := conn.recv()) is not None:
+        r, offset = wave
         start = time.perf_counter()
-        outputs = llm.chat(eval_prompts(r, prompt_set), params, use_tqdm=False)
+        outputs = llm.chat(eval_prompts(r, prompt_set, offset), params, use_tqdm=False)
         seconds = time.perf_counter() - start
         conn.send({"seconds": seconds, **wave_timing(outputs), "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
                    "spec": spec_counters(llm), "plugin": plugin_stats(llm)})
@@ -222,7 +227,7 @@ def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], 
             for repeat in range(repeats):
                 for name in wave_order(list(plan), repeat):
                     process, conn, _ = engines[name]
-                    conn.send(r)
+                    conn.send((r, repeat * r))  # every repeat its own prompts, the same for every row
                     waves[name].append(conn.recv())
             for name in plan:
                 process, conn, _ = engines[name]

@@ -64,6 +64,15 @@ def test_prompt_sets_split_code_and_chat():
     assert len(frontier.eval_prompts(6)) == 6
 
 
+def test_each_repeat_takes_the_next_prompts():
+    frontier = load_script()
+    first_six = frontier.eval_prompts(6)
+    assert frontier.eval_prompts(2, offset=2) + frontier.eval_prompts(2, offset=4) == first_six[2:]
+    assert len({p[0]["content"] for p in first_six}) == 6  # round-robin over three files, no repeats yet
+    chat = frontier.eval_prompts(80, "chat")
+    assert frontier.eval_prompts(3, "chat", offset=79) == [chat[79], chat[0], chat[1]]  # wraps past the file's end
+
+
 def test_waves_are_interleaved_in_rotating_order():
     frontier = load_script()
     names = ["a", "b", "c"]
