@@ -198,6 +198,7 @@ def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict) ->
         "verified_drafts_per_step": delta["num_draft_tokens"] / drafts if drafts else 0.0,
         "accepted_length": 1.0 + delta["num_accepted_tokens"] / drafts if drafts else 1.0,
         "wave_spread_seconds": [min(seconds), max(seconds)],
+        "waves_seconds": seconds,  # in repeat order: wave i of every row served the same prompts
         "tokens": sum(w["tokens"] for w in waves),
         "draft_tokens": delta["num_draft_tokens"],
         **plugin_delta(before["plugin"], after["plugin"]),
@@ -310,6 +311,19 @@ def predicted_speedup(row: dict, curve) -> float | None:
     return per_step * curve.step_time(r) / curve.step_time(r + row["draft_tokens"] / steps)
 
 
+def paired_speedup(row: dict, base: dict) -> str:
+    """Median and quartiles over repeats of the per-user speed-up against the base row's
+    wave of the same repeat (the same prompts): with each repeat serving other prompts,
+    this pairs away how hard each wave's prompts are, which the ratio of medians keeps."""
+    if "waves_seconds" not in row or "waves_seconds" not in base:
+        return "-"
+    ratios = [theirs / ours for ours, theirs in zip(row["waves_seconds"], base["waves_seconds"])]
+    if len(ratios) < 2:
+        return f"{ratios[0]:.2f}x" if ratios else "-"
+    low, _, high = statistics.quantiles(ratios, n=4)
+    return f"{statistics.median(ratios):.2f}x ({low:.2f}-{high:.2f})"
+
+
 def write_results(results: dict, meta: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
@@ -332,14 +346,15 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         "(tokens per request per step x T(R) / T(R + verified drafts per step)); the gap to the measured "
         "one is what drafting and the speculative path's other costs take. A wave lasts its mean time to the first "
         "token plus its slowest request's decode, so a speculative row whose requests decode at unequal "
-        "speeds can lose per user while its mean decode speed gains.",
+        "speeds can lose per user while its mean decode speed gains. `paired` is the median (quartiles) over "
+        "repeats of each wave's speed-up against no-spec's wave of the same repeat, which served the same prompts.",
         "",
-        "| configuration | R | system tok/s | per-user tok/s (min-max wave) | vs no-spec | predicted | decode tok/s per user | vs no-spec "
+        "| configuration | R | system tok/s | per-user tok/s (min-max wave) | vs no-spec | paired (quartiles) | predicted | decode tok/s per user | vs no-spec "
         "| slowest request's decode tok/s | first token s "
         "| accepted length (steps with drafts) | verified drafts/step | steps without drafting (by the measured check) "
         "| mean draft depth | drafting ms/step "
         "| learned step model |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     from vllm_dspark.scheduling import SpsCurve
 
@@ -350,6 +365,7 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
             fastest, slowest = (meta["max_tokens"] / w for w in row["wave_spread_seconds"])
             base = plain.get(row["concurrency"])
             ratio = f"{row['per_user_tok_s'] / base['per_user_tok_s']:.2f}x" if base else "-"
+            paired = paired_speedup(row, base) if base else "-"
             decode = row.get("decode_tok_s_per_user", float("nan"))
             decode_ratio = f"{decode / base['decode_tok_s_per_user']:.2f}x" if base and "decode_tok_s_per_user" in base else "-"
             drafting = (f"{row['steps_without_drafting']:.0%} ({row['steps_vetoed']:.0%}) | {row['mean_draft_depth']:.2f} "
@@ -362,7 +378,7 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
             predicted_text = "-" if predicted is None else f"{predicted:.2f}x"
             lines.append(
                 f"| {name} | {row['concurrency']} | {row['throughput_tok_s']:.1f} | {row['per_user_tok_s']:.2f} "
-                f"({slowest:.2f}-{fastest:.2f}) | {ratio} | {predicted_text} | {decode:.2f} | {decode_ratio} | {timing} | {row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} | {drafting} | {model} |"
+                f"({slowest:.2f}-{fastest:.2f}) | {ratio} | {paired} | {predicted_text} | {decode:.2f} | {decode_ratio} | {timing} | {row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} | {drafting} | {model} |"
             )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
