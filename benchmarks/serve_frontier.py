@@ -10,13 +10,14 @@ stretch of the shared machine hits every row alike instead of whichever row ran 
 sequential run here once saw the same no-spec engine 20% slower at its end than at its
 start). A wave is R chat prompts (eval prompts: mixed domains, or only code or only chat
 with `--prompts`; each repeat takes the next R prompts, the same ones for every
-configuration, so a cell's waves cover R x repeats prompts) at once with exactly `--max-tokens` output tokens each (ignore_eos), so
-per-user speed = max_tokens / wave time and system throughput = R * max_tokens / wave
-time. The decode
-speed per user (tokens after the first over the time between first and last token, the
-1/TPOT of `vllm bench serve`) is reported beside it: it leaves out the shared prefill.
+configuration, so a cell's waves cover R x repeats prompts) at once with exactly
+`--max-tokens` output tokens each (ignore_eos), so per-user speed = max_tokens / wave time
+and system throughput = R * max_tokens / wave time. The decode speed per user (tokens
+after the first over the time between first and last token, the 1/TPOT of `vllm bench
+serve`) is reported beside it: it leaves out the shared prefill.
 
-Prefix caching is off in every engine. The waves repeat the same prompts, so with it on a
+Prefix caching is off in every engine. Waves repeat prompts (the warm-up's first prompt,
+and a set smaller than R x repeats wraps around), so with it on a
 plain engine re-prefills only each prompt's last partial block, while vLLM drops one more
 cached block (128 tokens on CPU) for any EAGLE-style drafter, ours included, so that the
 drafter sees the target's hidden states again: measured at R = 16, that alone made a
