@@ -203,9 +203,10 @@ def main() -> int:
 
     target = args.target or str(smollm2_checkpoint())
     results: dict[str, dict[str, dict]] = {}
+    plan = configurations(args.drafter, args.full_vocab_drafter, args.k)
     for r in args.concurrency:
         results[str(r)] = {}
-        for name, settings in configurations(args.drafter, args.full_vocab_drafter, args.k).items():
+        for name, settings in plan.items():
             with multiprocessing.get_context("spawn").Pool(1) as pool:
                 row = pool.apply(profile_configuration, (target, settings, r, args.max_tokens))
             results[str(r)][name] = row

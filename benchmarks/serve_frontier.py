@@ -37,6 +37,7 @@ depth, drafting time) beside the speed-up its accepted tokens and the step curve
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -64,11 +65,18 @@ PROMPT_SETS = {"mixed": ("gsm8k.jsonl", "humaneval.jsonl", "mt-bench.jsonl"),
                "code": ("humaneval.jsonl",), "chat": ("mt-bench.jsonl",)}
 
 
+@functools.cache
+def first_turns(prompt_set: str) -> tuple[tuple[str, ...], ...]:
+    """The first user turn of every record, per eval file of the set (read once per process:
+    every wave draws from them)."""
+    return tuple(tuple(json.loads(line)["turns"][0] for line in (default_eval_dir() / name).read_text().splitlines())
+                 for name in PROMPT_SETS[prompt_set])
+
+
 def eval_prompts(count: int, prompt_set: str = "mixed", offset: int = 0) -> list[list[dict]]:
     """First user turns `offset` to `offset + count` of the set's eval files taken round-robin
     (each file repeated when too few)."""
-    files = [[json.loads(line)["turns"][0] for line in (default_eval_dir() / name).read_text().splitlines()]
-             for name in PROMPT_SETS[prompt_set]]
+    files = first_turns(prompt_set)
 
     def turn(j: int) -> str:
         turns = files[j % len(files)]
@@ -168,8 +176,9 @@ def serve_waves(conn, target: str, settings: dict, max_num_seqs: int, max_tokens
     conn.send({"spec": spec_counters(llm), "plugin": plugin_stats(llm), "curve": engine_curve(llm)})
     while (wave := conn.recv()) is not None:
         r, offset = wave
+        prompts = eval_prompts(r, prompt_set, offset)  # outside the timed wave
         start = time.perf_counter()
-        outputs = llm.chat(eval_prompts(r, prompt_set, offset), params, use_tqdm=False)
+        outputs = llm.chat(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         conn.send({"seconds": seconds, **wave_timing(outputs), "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
                    "spec": spec_counters(llm), "plugin": plugin_stats(llm)})

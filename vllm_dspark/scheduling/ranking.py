@@ -159,8 +159,9 @@ def cliff_aware_stop(
     the SPS curve. The scan's objective after n candidates is objective[n] =
     combine(totals[n], SPS(B(n))), with totals[n] the sum of the first n candidates'
     `values` (throughput: tau from the survivals, combined as tau * SPS; the per-user
-    objective: the sum of log-speed gains, combined as gains + R log SPS). At a candidate that does not, the scan goes on if
-    verifying it and the candidates expected after it could still beat the current
+    objective: the sum of log-speed gains, combined as gains + R log SPS). At a candidate
+    that does not raise the objective (objective[n + 1] <= objective[n]), the scan goes on
+    if verifying it and the candidates expected after it could still beat the current
     objective. `lookahead()` gives (reach, expected_tail), built only when a stop is
     questioned (not on the hot path otherwise): reach[m] the SPS with m slots verified, up
     to all R * K (`pass_sps`), expected_tail[m] the value of rank m in an earlier step
