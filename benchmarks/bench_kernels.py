@@ -31,11 +31,14 @@ from typing import Callable, Optional  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from vllm_dspark.config import DrafterConfig  # noqa: E402
 from vllm_dspark.kernels import admission, dispatch, sequential_head, verify_attention  # noqa: E402
+from vllm_dspark.model.drafter import DSparkDrafter  # noqa: E402
 
 H200_COPY_BYTES_PER_S = 4.3e12
 H200_BF16_FLOP_PER_S = 790e12
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+COMMITTED_DRAFTER = Path(__file__).resolve().parents[1] / "examples" / "drafters" / "smollm2-dspark-b7"
 # Largest kernel-vs-reference difference accepted per kernel (16-bit attention outputs).
 TOLERANCE = {"verify_attention": 3e-2, "sequential_head": 1e-3, "admission": 0.0}
 
@@ -214,10 +217,57 @@ def bench_admission(device, dry: bool, budget_s: float) -> list:
     return rows
 
 
+# ------------------------------------------------------------------------------- drafter stage
+
+
+def bench_drafter_stage(device, dry: bool, budget_s: float) -> list:
+    """What a greedy drafting step's sequential stage costs the served drafter, LM head
+    included: the committed SmolLM2 drafter's shapes (random weights) with its reduced
+    4,096-word vocabulary and widened to the full 49,152 words, each through the PyTorch
+    loop (`DSparkDrafter.draft`) and through the fused kernel (what the proposer runs on
+    CUDA), whose tokens must equal its reference's."""
+    committed = DrafterConfig.from_dir(COMMITTED_DRAFTER)
+    if dry:  # tiny shapes; only the sizes the LM head and the heads read
+        committed = committed.model_copy(update=dict(hidden_size=32, vocab_size=300, draft_vocab_size=64,
+                                                     markov_rank=8, mask_token_id=299))
+    dtype = torch.float32 if dry else torch.bfloat16
+    k = committed.block_size
+    rows = []
+    for label, vocab in (("full", None), ("reduced", committed.draft_vocab_size)):
+        torch.manual_seed(0)
+        drafter = DSparkDrafter(committed.model_copy(update=dict(draft_vocab_size=vocab))).to(device, dtype)
+        w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight
+        conf = drafter.confidence_head.proj
+        conf_weight, conf_bias = conf.weight.detach().view(-1), float(conf.bias.detach())
+        d2t = drafter.draft_to_target()
+        for num_req in ((1, 3) if dry else (1, 16, 64)):
+            g = torch.Generator(device="cpu").manual_seed(num_req)
+            hidden = torch.randn(num_req, k, committed.hidden_size, generator=g).to(device, dtype)
+            anchors = torch.randint(0, committed.vocab_size, (num_req,), generator=g).to(device)
+            greedy = torch.zeros(num_req, device=device)
+            seeds = torch.zeros(num_req, dtype=torch.int64, device=device)
+            conf_temps = drafter.confidence_temperatures(k, hidden).float()
+
+            def fused(use_kernel: bool = True) -> object:  # measured within this iteration only
+                return dispatch.sequential_head(drafter.lm_head(hidden), anchors, w1, w2, greedy, seeds,
+                                                hidden=hidden, conf_weight=conf_weight, conf_bias=conf_bias,
+                                                conf_temps=conf_temps, use_kernel=use_kernel, draft_to_target=d2t)
+
+            with torch.no_grad():  # the kernel's reference widens the heads' weights to float32, as it does
+                mismatches = int((fused().tokens != fused(use_kernel=False).tokens).sum())
+                loop_ms = measure(lambda: drafter.draft(hidden, anchors), device, budget_s, 100)
+                fused_ms = measure(fused, device, budget_s, 100)
+            rows.append({"vocabulary": label, "requests": num_req, "K": k, "hidden": committed.hidden_size,
+                         "rank": committed.markov_rank, "draft_vocab": drafter.config.draft_vocab,
+                         "loop_ms": loop_ms, "fused_ms": fused_ms, "token_mismatches": mismatches,
+                         "ok": mismatches == 0})
+    return rows
+
+
 # ------------------------------------------------------------------------------- report
 
 
-def write_markdown(path: Path, meta: dict, rows: list) -> None:
+def write_markdown(path: Path, meta: dict, rows: list, stage: list) -> None:
     lines = [f"# Kernel benchmark ({meta['mode']})", ""]
     if meta["mode"] == "dry-run":
         lines += ["**Dry run on CPU through the Triton interpreter: times are not GPU measurements.**", ""]
@@ -237,6 +287,17 @@ def write_markdown(path: Path, meta: dict, rows: list) -> None:
               "rows written and re-read); the Markov W2 (25 MB at r=256) can stay in the 60 MB L2. Admission's "
               "FLOP column counts pairwise comparisons. SDPA runs on K/V pre-gathered into dense tensors "
               "(gather not timed)."]
+    lines += ["", "## Drafter sequential stage, greedy, LM head included",
+              "", "The committed SmolLM2 drafter's shapes with random weights, with its reduced draft vocabulary "
+              "and widened to the full one: the PyTorch loop (`DSparkDrafter.draft`) against the fused kernel "
+              "(what the proposer runs on CUDA), median ms per drafting step.", "",
+              "| draft vocabulary | requests | K | d | r | PyTorch loop ms | fused kernel ms | speedup "
+              "| kernel tokens = reference tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in stage:
+        match = "yes" if r["ok"] else f"NO ({r['token_mismatches']} differ)"
+        lines.append(f"| {r['vocabulary']} ({r['draft_vocab']}) | {r['requests']} | {r['K']} | {r['hidden']} "
+                     f"| {r['rank']} | {r['loop_ms']:.3f} | {r['fused_ms']:.3f} | {r['loop_ms'] / r['fused_ms']:.1f}x "
+                     f"| {match} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -266,13 +327,15 @@ def main(argv: Optional[list] = None) -> int:
     for bench in (bench_attention, bench_sequential_head, bench_admission):
         rows += bench(device, args.dry_run, budget)
         print(f"{bench.__name__}: done at {time.perf_counter() - t0:.1f}s", flush=True)
+    stage = bench_drafter_stage(device, args.dry_run, budget)
     meta["wall_s"] = time.perf_counter() - t0
     stem = "bench_kernels.dryrun" if args.dry_run else "bench_kernels"
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
-    write_markdown(args.out_dir / f"{stem}.md", meta, rows)
+    (args.out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": rows, "drafter_stage": stage}, indent=2) + "\n")
+    write_markdown(args.out_dir / f"{stem}.md", meta, rows, stage)
     print((args.out_dir / f"{stem}.md").read_text())
     failed = [f"{r['kernel']} / {r['case']}" for r in rows if not r["ok"]]
+    failed += [f"drafter stage, {r['vocabulary']} vocabulary, R={r['requests']}" for r in stage if not r["ok"]]
     if failed:
         print("kernel differs from reference beyond tolerance:", "; ".join(failed))
     return 1 if failed else 0

@@ -71,20 +71,25 @@ def sequential_head(
     conf_temps: Optional[torch.Tensor] = None,
     return_probs: bool = False,
     use_kernel: Optional[bool] = None,
+    draft_to_target: Optional[torch.Tensor] = None,
+    target_vocab: Optional[int] = None,
 ) -> DraftOutput:
     """K steps of the Markov head with sampling and confidence; see `sequential_head.py`.
-    hidden may be None without a confidence head."""
-    check_inputs(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds)
+    hidden may be None without a confidence head. Reduced draft vocabulary: base logits
+    and W2 over the draft ids, W1 over the target vocabulary, `draft_to_target` [V_draft]."""
+    check_inputs(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds, draft_to_target)
     if _pick(use_kernel):
         return sequential_head_triton(
-            base_logits, anchor, w1, w2, temperature, seeds, hidden, conf_weight, conf_bias, conf_temps, return_probs
+            base_logits, anchor, w1, w2, temperature, seeds, hidden, conf_weight, conf_bias, conf_temps, return_probs,
+            draft_to_target=draft_to_target, target_vocab=target_vocab,
         )
     if hidden is None:  # the vanilla head does not read it
         hidden = base_logits.new_empty(*base_logits.shape[:2], 0)
     markov_head, confidence_head = vanilla_heads(w1, w2, hidden.shape[2], conf_weight, conf_bias)
     return sequential_draft(
         markov_head, confidence_head, conf_temps, base_logits, hidden, anchor, temperature, seeds,
-        return_probs=return_probs,
+        return_probs=return_probs, draft_to_target=draft_to_target,
+        target_vocab=target_vocab or (None if draft_to_target is None else w1.shape[0]),
     )
 
 

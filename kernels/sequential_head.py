@@ -9,6 +9,11 @@ point mass at the argmax) and the confidence
 c_k = sigmoid((w_h . h_k + w_m . W1[x_{k-1}] + b) / T_conf[k]). Optionally the full draft
 distribution rows are written, which rejection sampling at T > 0 needs.
 
+Reduced draft vocabulary: U and W2 cover the V_draft draft ids, W1 the target vocabulary,
+and `draft_to_target` maps each chosen draft id to its target id, which is what the next
+step's W1 row and the returned tokens are; draft rows come back over the target
+vocabulary, zero outside the subset, as the reference returns them.
+
 Each program owns BLOCK_R requests and one contiguous vocabulary split, walks it in tiles
 with an online softmax and Gumbel-max, and shares every W2 tile among its BLOCK_R requests
 through a tensor-core product. One launch per step (K + 1 in all) merges the previous
@@ -26,13 +31,21 @@ from vllm_dspark.model.heads import DraftOutput
 from .rng_triton import gumbel_tl, seed_key_tl, step_key_tl
 
 
-def check_inputs(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds):
+def check_inputs(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds,
+                 draft_to_target=None):
     """Shapes the kernel needs; the dispatcher checks them for its reference path too, so
     a caller's mistake shows on CPU, not first on a GPU."""
     num_req, k, vocab = base_logits.shape
     rank = w1.shape[1]
-    if w1.shape != (vocab, rank) or w2.shape != (vocab, rank):
-        raise ValueError(f"w1/w2 must both be [V={vocab}, r], got {tuple(w1.shape)}, {tuple(w2.shape)}")
+    if draft_to_target is None:
+        if w1.shape != (vocab, rank) or w2.shape != (vocab, rank):
+            raise ValueError(f"w1/w2 must both be [V={vocab}, r], got {tuple(w1.shape)}, {tuple(w2.shape)}")
+    else:
+        if draft_to_target.shape != (vocab,):
+            raise ValueError(f"draft_to_target must be [V_draft={vocab}], got {tuple(draft_to_target.shape)}")
+        if w2.shape != (vocab, rank) or w1.shape[0] < vocab:
+            raise ValueError(f"w2 must be [V_draft={vocab}, r] and w1 [V_target, r], got {tuple(w2.shape)}, "
+                             f"{tuple(w1.shape)}")
     for name, t in (("anchor", anchor), ("temperature", temperature), ("seeds", seeds)):
         if t.shape != (num_req,):
             raise ValueError(f"{name} must be [R={num_req}], got {tuple(t.shape)}")
@@ -75,21 +88,22 @@ def _combine_splits(pf_ptr, pi_ptr, buf, rows, rmask, num_req, num_splits, SPLIT
 
 @triton.jit
 def _sequential_head_step_kernel(
-    u_ptr, anchor_ptr, w1_ptr, w2_ptr, temp_ptr, seed_ptr,
+    u_ptr, anchor_ptr, w1_ptr, w2_ptr, temp_ptr, seed_ptr, d2t_ptr,
     h_ptr, cw_ptr, ct_ptr, conf_bias,
     tok_ptr, tp_ptr, conf_ptr, probs_ptr, pf_ptr, pi_ptr,
     step, num_req, k_steps, vocab, rank, hid, split_len, num_splits,
     s_ur, s_uk, s_w1, s_w2, s_hr, s_hk, s_pr, s_pk,
     BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, R_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLITS_PAD: tl.constexpr, HAS_CONF: tl.constexpr, CONF_MARKOV: tl.constexpr,
-    WRITE_PROBS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WRITE_PROBS: tl.constexpr, HAS_D2T: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Launch `step` (0..K) over (request tile, vocabulary split).
 
     It first finishes step-1 from the partials that launch left (token, its probability,
     normalised probability rows of this split), then, if step < K, computes step's
     partials over this split. Partials are double-buffered by step parity. Greedy rows
-    get probability 1 and one-hot rows: their token is not drawn from the softmax.
+    get probability 1 and one-hot rows: their token is not drawn from the softmax. With
+    HAS_D2T the partials hold draft ids, mapped to target ids for the token and W1.
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     split = tl.program_id(1)
@@ -101,8 +115,12 @@ def _sequential_head_step_kernel(
     if step == 0:
         prev = tl.load(anchor_ptr + rows, mask=rmask, other=0).to(tl.int64)
     else:
-        prev, logit, g_max, g_sum = _combine_splits(pf_ptr, pi_ptr, (step - 1) % 2, rows, rmask,
-                                                    num_req, num_splits, SPLITS_PAD)
+        chosen, logit, g_max, g_sum = _combine_splits(pf_ptr, pi_ptr, (step - 1) % 2, rows, rmask,
+                                                      num_req, num_splits, SPLITS_PAD)
+        if HAS_D2T:
+            prev = tl.load(d2t_ptr + chosen, mask=rmask, other=0).to(tl.int64)
+        else:
+            prev = chosen
         if split == 0:
             tl.store(tok_ptr + rows * k_steps + step - 1, prev, mask=rmask)
             tl.store(tp_ptr + rows * k_steps + step - 1, tl.where(sampled, tl.exp(logit - g_max) / g_sum, 1.0),
@@ -113,7 +131,7 @@ def _sequential_head_step_kernel(
                 pmask = rmask[:, None] & (offs_v < v_hi)[None, :]
                 pp = probs_ptr + rows[:, None] * s_pr + (step - 1) * s_pk + offs_v[None, :]
                 lg = tl.load(pp, mask=pmask & sampled[:, None], other=0.0)
-                one_hot = (offs_v[None, :] == prev[:, None]).to(tl.float32)
+                one_hot = (offs_v[None, :] == chosen[:, None]).to(tl.float32)
                 tl.store(pp, tl.where(sampled[:, None], tl.exp(lg - g_max[:, None]) / g_sum[:, None], one_hot),
                          mask=pmask)
     if step < k_steps:
@@ -193,6 +211,8 @@ def sequential_head_triton(
     block_v: Optional[int] = None,
     num_splits: Optional[int] = None,
     out: Optional[DraftOutput] = None,
+    draft_to_target: Optional[torch.Tensor] = None,
+    target_vocab: Optional[int] = None,
 ) -> DraftOutput:
     """Triton path of `dispatch.sequential_head`; its reference is the model's
     `sequential_draft` on `vanilla_heads(w1, w2, d, conf_weight, conf_bias)`.
@@ -203,9 +223,11 @@ def sequential_head_triton(
     the GPU's SM count over the request tiles.
 
     `out` supplies preallocated output buffers (its `probs` must be given exactly when
-    `return_probs`); without a confidence head the confidences are all 1.
+    `return_probs`, over the draft vocabulary); without a confidence head the confidences
+    are all 1. With `draft_to_target` [V_draft] (reduced vocabulary) the returned rows are
+    widened to `target_vocab` (default: W1's rows).
     """
-    check_inputs(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds)
+    check_inputs(base_logits, anchor, w1, w2, hidden, conf_weight, conf_temps, temperature, seeds, draft_to_target)
     num_req, k_steps, vocab = base_logits.shape
     rank = w1.shape[1]
     dev = base_logits.device
@@ -249,9 +271,11 @@ def sequential_head_triton(
     num_splits = triton.cdiv(vocab, split_len)
     part_f = torch.empty(2, 4, num_req, num_splits, dtype=torch.float32, device=dev)
     part_i = torch.empty(2, num_req, num_splits, dtype=torch.int64, device=dev)
+    has_d2t = draft_to_target is not None
+    d2t_arg = draft_to_target.contiguous() if has_d2t else anchor  # never read without it
     for step in range(k_steps + 1):
         _sequential_head_step_kernel[(row_tiles, num_splits)](
-            base_logits, anchor, w1, w2, temperature, seeds,
+            base_logits, anchor, w1, w2, temperature, seeds, d2t_arg,
             h_arg, cw_arg, ct_arg, float(conf_bias),
             out.tokens, out.token_probs, out.confidences, out.token_probs if probs is None else probs,
             part_f, part_i,
@@ -262,7 +286,11 @@ def sequential_head_triton(
             BLOCK_D=min(256, triton.next_power_of_2(max(hid, 16))),
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HAS_CONF=has_conf, CONF_MARKOV=has_conf and conf_weight.shape[0] > hid,
-            WRITE_PROBS=return_probs,
+            WRITE_PROBS=return_probs, HAS_D2T=has_d2t,
             DOT_PRECISION="ieee" if w1.dtype == torch.float32 else "tf32",
         )
+    if has_d2t and probs is not None:
+        wide = torch.zeros(num_req, k_steps, target_vocab or w1.shape[0], dtype=torch.float32, device=dev)
+        wide[:, :, draft_to_target] = probs
+        out.probs = wide
     return out

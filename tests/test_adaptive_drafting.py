@@ -311,6 +311,21 @@ def test_reduced_drafter_serves_exactly_through_vllm(drafters, tiny_target, base
     assert counters["num_accepted_tokens"] == engine_scheduler(llm).controller.stats.accepted
 
 
+def test_reduced_drafter_serves_exactly_through_the_fused_head_path(drafters, tiny_target, baseline,
+                                                                    monkeypatch) -> None:
+    """Where the fused head runs (CUDA; here its entry point is forced and runs its
+    reference), a reduced-vocabulary drafter takes it too, with its draft-to-target map."""
+    from tests.test_kernel_wiring import force_kernel_path_on_cpu
+
+    calls = force_kernel_path_on_cpu(monkeypatch)
+    _, reduced, _ = drafters
+    spec = {"method": "vllm_dspark", "model": str(reduced), "num_speculative_tokens": K}
+    llm = make_llm(tiny_target, spec, {"vllm_dspark": {"policy": "fixed"}})
+    assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
+    assert calls, "the proposer should call the fused head for a reduced vocabulary"
+    assert spec_counters(llm)["num_accepted_tokens"] > 0
+
+
 def test_skipping_and_early_stop_keep_greedy_outputs_exact(drafters, tiny_target, baseline) -> None:
     """A curve where extra verification costs enough that some steps skip drafting and
     the drafter stops low-survival requests early; outputs stay the target's and the

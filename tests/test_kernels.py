@@ -247,6 +247,36 @@ def test_sequential_head_matches_model(name: str) -> None:
         assert torch.equal(ref.probs.gather(2, ref.tokens[..., None])[..., 0], ref.token_probs)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("probs", [False, True])
+def test_sequential_head_with_a_reduced_vocabulary_matches_model(probs: bool) -> None:
+    """Draft ids 0..63 stand for 64 of 300 target ids: the kernel picks over the draft ids,
+    feeds W1 and returns the target ids, and its rows (zero outside the subset) equal the
+    reference's, over two vocabulary splits."""
+    num_req, k, target_vocab, draft_vocab, rank, hid = 6, 3, 300, 64, 24, 40
+    case = _head_case(num_req, k, draft_vocab, rank, hid, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    case["w1"] = torch.randn(target_vocab, rank, generator=g) * 0.3
+    case["anchor"] = torch.randint(0, target_vocab, (num_req,), generator=g)
+    d2t = torch.randperm(target_vocab, generator=g)[:draft_vocab].sort().values
+    ref = _model_reference(case | {"draft_to_target": d2t}, probs)
+    got = sequential_head.sequential_head_triton(**case, return_probs=probs, num_splits=2, draft_to_target=d2t)
+    assert torch.equal(got.tokens, ref.tokens) and bool(torch.isin(got.tokens, d2t).all())
+    torch.testing.assert_close(got.token_probs, ref.token_probs, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got.confidences, ref.confidences, atol=1e-5, rtol=1e-4)
+    if probs:
+        assert got.probs.shape == (num_req, k, target_vocab)
+        torch.testing.assert_close(got.probs, ref.probs, atol=1e-6, rtol=1e-4)
+
+
+def test_reduced_vocabulary_shapes_are_checked() -> None:
+    case = _head_case(2, 2, 64, 8, 8, torch.float32, None)
+    with pytest.raises(ValueError, match="draft_to_target"):
+        dispatch.sequential_head(**case, draft_to_target=torch.arange(63), use_kernel=False)
+    with pytest.raises(ValueError, match="w1/w2"):
+        dispatch.sequential_head(**case | {"w1": torch.zeros(300, 8)}, use_kernel=False)
+
+
 def test_sampling_follows_softmax_and_ignores_batch_position() -> None:
     """Gumbel-max over the hash RNG draws from softmax(logits / T); a seed fixes the draw."""
     num_req, vocab, rank = 20000, 5, 4

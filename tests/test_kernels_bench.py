@@ -15,6 +15,7 @@ def test_bench_kernels_dry_run(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "bench_kernels.dryrun.json").read_text())
     assert report["meta"]["mode"] == "dry-run"
     assert {r["kernel"] for r in report["results"]} == {"verify_attention", "sequential_head", "admission"}
+    assert report["drafter_stage"] and all(r["ok"] for r in report["drafter_stage"])
     assert all(r["ok"] for r in report["results"])
     assert "Dry run" in (tmp_path / "bench_kernels.dryrun.md").read_text()
     assert not (tmp_path / "bench_kernels.json").exists()

@@ -30,15 +30,16 @@ def _attention(dt: str, d_pad: int, block_n: int, tree: bool):
     return va._verify_attention_kernel, types, consts
 
 
-def _head(dt: str, r_pad: int, block_v: int, probs: bool):
+def _head(dt: str, r_pad: int, block_v: int, probs: bool, reduced: bool = False):
     from vllm_dspark.kernels import sequential_head as sh
 
     types = dict(u_ptr="*" + dt, anchor_ptr="*i64", w1_ptr="*" + dt, w2_ptr="*" + dt, temp_ptr="*fp32",
-                 seed_ptr="*i64", h_ptr="*" + dt, cw_ptr="*" + dt, ct_ptr="*fp32", conf_bias="fp32",
+                 seed_ptr="*i64", d2t_ptr="*i64", h_ptr="*" + dt, cw_ptr="*" + dt, ct_ptr="*fp32", conf_bias="fp32",
                  tok_ptr="*i64", tp_ptr="*fp32", conf_ptr="*fp32", probs_ptr="*fp32", pf_ptr="*fp32",
                  pi_ptr="*i64")
     consts = dict(BLOCK_R=16, BLOCK_V=block_v, R_PAD=r_pad, BLOCK_D=256, SPLITS_PAD=128, HAS_CONF=True,
-                  CONF_MARKOV=True, WRITE_PROBS=probs, DOT_PRECISION="ieee" if dt == "fp32" else "tf32")
+                  CONF_MARKOV=True, WRITE_PROBS=probs, HAS_D2T=reduced,
+                  DOT_PRECISION="ieee" if dt == "fp32" else "tf32")
     return sh._sequential_head_step_kernel, types, consts
 
 
@@ -54,6 +55,7 @@ CONFIGS = {
     "attention fp32 d256 tree": lambda: _attention("fp32", 256, 32, True),
     "head bf16 r256 probs": lambda: _head("bf16", 256, 128, True),
     "head fp32 r256": lambda: _head("fp32", 256, 64, False),
+    "head bf16 r32 probs reduced vocabulary": lambda: _head("bf16", 32, 128, True, reduced=True),
     "admission": _admission,
 }
 

@@ -128,7 +128,7 @@ class DSparkProposer(dflash_proposer_base()):
         hidden = hidden_states.view(batch, k, -1)
         anchors = self._anchors[:batch]
         if fused_head_applies(model):
-            base_logits = model.compute_logits(hidden_states).view(batch, k, -1)
+            base_logits = model.draft_logits(hidden_states).view(batch, k, -1)
             out = fused_sequential_draft(model, base_logits, hidden, anchors, temperature)
         else:
             # The LM head position by position, for the requests still drafting only.
@@ -204,14 +204,18 @@ class DraftTimer:
 
 
 def fused_head_applies(model) -> bool:
-    """The fused Triton head covers the vanilla Markov head with a confidence head and the
-    full vocabulary, on CUDA; everything else (and `VLLM_DSPARK_FORCE_REFERENCE=1`) runs
-    the PyTorch loop."""
+    """The fused Triton head covers the vanilla Markov head with a confidence head, full
+    or reduced draft vocabulary, on CUDA; everything else (and
+    `VLLM_DSPARK_FORCE_REFERENCE=1`) runs the PyTorch loop. On an H200 with the committed
+    SmolLM2 drafter's shapes a greedy drafting step took 0.47-0.94 ms through it at 1-64
+    requests with the reduced vocabulary (0.44-0.49 with the full one), 2.9-5.4 ms
+    through the loop (benchmarks/results/bench_kernels.md). It computes every position of
+    every request: early stop (`min_survival`) is the loop's, which saves LM-head rows
+    where they cost (on a CPU)."""
     return (
         dispatch.triton_kernels_enabled()
         and type(model.markov_head) is MarkovHead
         and model.confidence_head is not None
-        and model.draft_ids is None  # the kernel covers the full vocabulary only
     )
 
 
@@ -237,6 +241,7 @@ def fused_sequential_draft(
         conf_bias=confidence_bias(model.confidence_head),
         conf_temps=model.confidence_temperatures[: base_logits.shape[1]],  # K of this proposal
         return_probs=temperature is not None,
+        draft_to_target=model.draft_ids,  # rows widened to W1's (the target's) vocabulary
     )
 
 

@@ -273,7 +273,8 @@ def vanilla_heads(
     conf_bias: float = 0.0,
 ) -> tuple[MarkovHead, ConfidenceHead | None]:
     """The vanilla Markov head (and a confidence head) around raw weights, the fused
-    kernel's interface: W1, W2 [V, r], confidence weight [d] or [d + r] (with the Markov
+    kernel's interface: W1 [V, r], W2 [V, r] (or [V_draft, r] for a reduced draft
+    vocabulary), confidence weight [d] or [d + r] (with the Markov
     feature). The kernel's reference is then `sequential_draft` itself. 16-bit weights are
     widened to float32, the precision the kernel accumulates in."""
     vocab, rank = w1.shape
