@@ -198,3 +198,29 @@ def test_structured_output_with_speculation(smollm2_target, tmp_path):
     assert llm.chat(messages, sampling, use_tqdm=False)[0].outputs[0].text == expected
     stats = engine_scheduler(llm).controller.stats
     assert spec_counters(llm).get("num_draft_tokens", 0) == stats.verified > 0
+
+
+def test_plugin_log_lines_reach_the_handlers_vllm_configures_later() -> None:
+    """vLLM configures its logging when a process starts its engine, after the plugin may
+    have loaded: a plugin record still reaches the handler vLLM has at that moment, at
+    vLLM's level."""
+    import logging
+
+    from vllm_dspark.integration.vllm_patches import _share_vllm_log_handlers
+
+    _share_vllm_log_handlers()
+    records: list[logging.LogRecord] = []
+    late = logging.Handler()
+    late.emit = records.append
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.addHandler(late)
+    try:
+        vllm_logger.setLevel(logging.INFO)
+        logging.getLogger("vllm_dspark.scheduling.realized").info("vllm_dspark: decided %s", "plain")
+        logging.getLogger("vllm_dspark.scheduling.realized").debug("vllm_dspark: below vLLM's level")
+    finally:
+        vllm_logger.removeHandler(late)
+        vllm_logger.setLevel(level)
+    assert [r.getMessage() for r in records] == ["vllm_dspark: decided plain"]
+

@@ -9,7 +9,14 @@ import pytest
 from tests.test_step_time_model import STARTUP_CURVE, serve
 from vllm_dspark.config import PluginOptions
 from vllm_dspark.scheduling.controller import StepInputs, VerificationController
-from vllm_dspark.scheduling.realized import MIN_SPECULATIVE_STEPS, PROBE_STEPS, RealizedSpeed, StepRecord, load_bucket
+from vllm_dspark.scheduling.realized import (
+    MIN_SPECULATIVE_STEPS,
+    PROBE_STEPS,
+    REQUEST_MIN_STEPS,
+    RealizedSpeed,
+    StepRecord,
+    load_bucket,
+)
 
 
 def record(requests: int, seconds: float, tokens: int, verified: bool = True, drafting_s: float = 0.0) -> StepRecord:
@@ -101,6 +108,71 @@ def test_one_lucky_probe_does_not_lift_a_veto_three_that_pay_do() -> None:
     assert not probe(1.2)
 
 
+def per_request_record(seconds: float, tokens: np.ndarray, ids: tuple[str, ...] | None = None) -> StepRecord:
+    ids = ids or tuple(f"r{i}" for i in range(len(tokens)))
+    return StepRecord(len(tokens), 0.1, True, seconds=seconds, tokens=int(tokens.sum()), request_ids=ids,
+                      request_tokens=np.asarray(tokens, dtype=float))
+
+
+def test_a_load_whose_mean_gains_while_one_request_loses_is_vetoed() -> None:
+    """Four requests in steps of 2.5 plain steps: three emit 4 tokens a step (1.6x), one
+    emits 2 (0.8x). The mean gains 1.4x; the fourth user is slower than plain decoding,
+    and the check stops speculating once it has REQUEST_MIN_STEPS steps to judge."""
+    check = RealizedSpeed()
+    for _ in range(2):
+        check.add(record(4, 0.1, 4, verified=False))
+    verdicts = []
+    for _ in range(int(REQUEST_MIN_STEPS) + 4):
+        check.add(per_request_record(0.25, np.array([4, 4, 4, 2])))
+        verdicts.append(check.vetoes(4))
+    assert not any(verdicts[: int(REQUEST_MIN_STEPS) - 1]), "too few steps of that request"
+    assert verdicts[-1], "the slowest request decides"
+
+
+def spread_tokens(rng: np.random.Generator, requests: int, laggard: bool) -> np.ndarray:
+    """Tokens per request of one step at 0.5 plain steps per token: 1.08x per request on
+    average, spread from 0.5x to 2x; with `laggard` the first request gets 0.75x."""
+    tokens = rng.choice([1, 1, 2, 2, 3, 4], size=requests).astype(float)
+    if laggard:
+        tokens[0] = rng.choice([1, 1, 1, 1, 2, 3])
+    return tokens
+
+
+@pytest.mark.parametrize("laggard", [False, True])
+def test_sixteen_requests_gaining_are_not_vetoed_one_losing_among_them_is(laggard: bool) -> None:
+    """Sixteen requests tested at every step, 20 seeds of 400 steps: where each gains
+    1.08x on average no run is vetoed; one request at 0.75x is caught in every run."""
+    vetoed_at = []
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        check = RealizedSpeed()
+        for _ in range(2):
+            check.add(record(16, 0.1, 16, verified=False))
+        for step in range(400):
+            check.add(per_request_record(0.2, spread_tokens(rng, 16, laggard)))
+            if check.vetoes(16):
+                vetoed_at.append(step)
+                break
+    if laggard:
+        assert len(vetoed_at) == 20 and max(vetoed_at) < 100
+    else:
+        assert not vetoed_at
+
+
+def test_a_request_that_left_the_load_is_forgotten() -> None:
+    """A request losing 0.5x leaves before it can be judged; the requests after it gain,
+    and its old gains never veto the load."""
+    check = RealizedSpeed()
+    for _ in range(2):
+        check.add(record(4, 0.1, 4, verified=False))
+    for _ in range(int(REQUEST_MIN_STEPS) - 4):
+        check.add(per_request_record(0.2, np.array([3, 3, 3, 1]), ("a", "b", "c", "gone")))
+    for step in range(200):
+        check.add(per_request_record(0.2, np.array([3, 3, 3, 3]), ("a", "b", "c", f"new{step // 50}")))
+        assert not check.vetoes(4)
+    assert "gone" not in check._buckets[load_bucket(4)].requests
+
+
 def test_a_step_is_folded_once_both_its_time_and_tokens_are_known() -> None:
     check = RealizedSpeed()
     for _ in range(2):
@@ -114,10 +186,41 @@ def test_a_step_is_folded_once_both_its_time_and_tokens_are_known() -> None:
     assert pending.folded and check.gain(2)[2] == pytest.approx(1.0), "counted once"
 
 
-def controller(check: bool, learn_step_time: bool = True) -> VerificationController:
+def controller(check: bool, learn_step_time: bool = True, each_request: bool = True) -> VerificationController:
     options = PluginOptions(policy="dspark", sps_table=STARTUP_CURVE.points, recalibrate=False, check_realized_speed=check,
-                            measure_step_overhead=learn_step_time)
+                            measure_step_overhead=learn_step_time, check_each_request=each_request)
     return VerificationController(options, STARTUP_CURVE, num_speculative_tokens=7)
+
+
+@pytest.mark.parametrize("each_request", [True, False])
+def test_the_controller_stops_where_one_request_pays_for_the_others_gains(each_request: bool) -> None:
+    """Four requests drafting with confidence 0.9: three accept every draft they verify,
+    the fourth none (its drafts are calibrated no worse, so no model can tell). The mean
+    gains, the fourth user pays each speculative step's cost for one token: with the check
+    per request the load goes plain after its REQUEST_MIN_STEPS steps; judged on the mean
+    alone it speculates on."""
+    ctrl = controller(True, each_request=each_request)
+    ids, now, depth, speculative = ("a", "b", "c", "laggard"), 0.0, 7, []
+    for _ in range(300):
+        ctrl.step_started(now)
+        verified = np.zeros(4, dtype=np.int64)
+        if depth:
+            inputs = StepInputs(ids, np.full((4, depth), 0.9), np.full(4, depth), np.ones(4, bool))
+            verified = ctrl.decide(inputs).verified
+        tokens = 4 + int(verified.sum())
+        ctrl.step_scheduled(now, tokens, num_requests=4)
+        ctrl.observe(np.r_[verified[:3] + 1, 1] if depth else None)
+        depth = ctrl.plan_drafting(4).depth
+        drafting = 0.001 * 4 * depth
+        if depth:
+            ctrl.observe_drafting(4, depth, 4 * depth, drafting)
+        now += STARTUP_CURVE.step_time(tokens) + drafting
+        speculative.append(bool(verified.any()))
+    late = sum(speculative[200:])
+    if each_request:
+        assert ctrl.stats.vetoed_steps > 0 and late < 0.2 * 100
+    else:
+        assert ctrl.stats.vetoed_steps == 0 and late > 0.8 * 100
 
 
 @pytest.mark.parametrize("requests", [1, 4])

@@ -219,6 +219,10 @@ class PluginOptions(BaseModel):
     # measurably realized less per-request speed than plain steps there, whatever the
     # model predicts (probes go on; scheduling/realized.py).
     check_realized_speed: bool = True
+    # With the check: also stop where some request's own recent speculative steps realized
+    # less than plain decoding, while the mean over requests gains (scheduling/realized.py);
+    # false judges the mean alone.
+    check_each_request: bool = True
     # A step that drafts nothing queues its context K/V, written in one batch before the
     # drafter next drafts (integration/deferred_context.py); false writes it every step.
     defer_context: bool = True

@@ -433,14 +433,30 @@ def _pin_v1_model_runner() -> None:
     VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
 
 
+class ToVllmLogHandler(logging.Handler):
+    """Hands each plugin record to the handlers vLLM's logger has when the record is
+    emitted, at vLLM's level. vLLM 0.32 configures its logging in each process only when
+    that process starts its engine, after plugins may have loaded: handlers copied at
+    load time were none, and every plugin line (what the controller decided, why it
+    stopped speculating) was lost. Before vLLM configures logging, warnings go to
+    Python's last-resort handler (stderr), as they would without this handler."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        vllm_logger = logging.getLogger("vllm")
+        if not vllm_logger.isEnabledFor(record.levelno):
+            return
+        handlers = vllm_logger.handlers or ([logging.lastResort] if record.levelno >= logging.WARNING else [])
+        for handler in handlers:
+            if handler is not None and record.levelno >= handler.level:
+                handler.handle(record)
+
+
 def _share_vllm_log_handlers() -> None:
     """Plugin log lines (what the scheduler decided, counters) go where vLLM's go."""
-    vllm_logger = logging.getLogger("vllm")
     plugin_logger = logging.getLogger("vllm_dspark")
-    if vllm_logger.handlers and not plugin_logger.handlers:
-        for handler in vllm_logger.handlers:
-            plugin_logger.addHandler(handler)
-        plugin_logger.setLevel(vllm_logger.level or logging.INFO)
+    if not any(isinstance(h, ToVllmLogHandler) for h in plugin_logger.handlers):
+        plugin_logger.addHandler(ToVllmLogHandler())
+        plugin_logger.setLevel(logging.DEBUG)  # vLLM's level decides, in the handler
         plugin_logger.propagate = False
 
 

@@ -41,8 +41,9 @@ steps at 0.87x plain decoding).
 
 The model is checked against what speculating realizes (`check_realized_speed`,
 scheduling/realized.py): at a load where recent speculative steps measured less
-per-request speed than plain steps there, the controller neither drafts nor verifies
-until its probes (which go on, with the same backoff) measure otherwise.
+per-request speed than plain steps there, on average or for some request, the controller
+neither drafts nor verifies until its probes (which go on, with the same backoff) measure
+otherwise.
 
 Exactness: the lengths of a step depend on that step's confidences through the policy
 (non-anticipating, DSPARK.md section 4) and on state learned from earlier steps only.
@@ -237,10 +238,8 @@ class VerificationController:
         self._previous_step: tuple[float, int, StepRecord | None] | None = None
         # The measured check on speculating (None: off, or steps cannot be timed) and
         # whether it blocks the next step's verification.
-        self.realized = (
-            RealizedSpeed() if options.check_realized_speed and options.adaptive_drafting and can_time_steps
-            and curve is not None else None
-        )
+        checks = options.check_realized_speed and options.adaptive_drafting and can_time_steps and curve is not None
+        self.realized = RealizedSpeed(options.check_each_request) if checks else None
         self._verification_vetoed = False
         # This step's decision with its prefix survival, raw confidences, greedy mask and
         # n-gram match lengths.
@@ -341,8 +340,10 @@ class VerificationController:
         if self.realized is not None and timed and num_requests > 0:
             assert self.curve is not None
             verifies = bool(verified.sum())  # else its tokens are one per request, known now
+            request_ids = decision[0].req_ids if decision is not None else ()
             record = StepRecord(num_requests, self.curve.step_time(num_requests), verifies,
-                                tokens=None if verifies else num_requests)
+                                tokens=None if verifies else num_requests, request_ids=request_ids,
+                                request_tokens=None if verifies else np.ones(len(request_ids)))
         pending = None
         if decision is not None:
             predicted = np.where(np.arange(survival.shape[1]) < verified[:, None], survival, 0.0).sum(axis=1)
@@ -368,6 +369,7 @@ class VerificationController:
         self.stats.accepted += int(accepted.sum())
         if pending.record is not None and self.realized is not None and pending.record.tokens is None:
             pending.record.tokens = pending.record.requests + int(accepted.sum())
+            pending.record.request_tokens = np.where(emitted < 0, np.nan, emitted)
             self.realized.add(pending.record)
         self.stats.predicted_accepted += float(pending.predicted[verified > 0].sum())
         ngram = pending.ngram_matches > 0

@@ -27,6 +27,19 @@ gains reach by chance at a load losing 10-20%; then at least 8 more speculative 
 went by before the next veto. Only past steps enter, so outputs stay exact, as with
 every other input of the decision.
 
+The mean over requests can gain while some request loses: requests whose drafts are
+rarely accepted pay every speculative step's cost for about one token, so at 16 requests
+on code the hybrid decoded 1.22x plain on average while its slowest request ran at 0.87x,
+and a wave, which lasts until its slowest request is done, at 0.89x (serving frontier,
+rotating prompts, 2026-12-04). So each request's gains are kept too, and a load is also
+vetoed once some request's recent gains lie below 1 with confidence
+(`REQUEST_CONFIDENCE` standard errors, `REQUEST_MIN_STEPS` of its speculative steps at
+least): speculating must not make any user slower than plain decoding. The probes that
+lift a veto are judged on their mean, as before (a request's few probe steps say little
+about it). In the frontier run of 2026-12-04 18:37 UTC (64-token requests) this test never
+fired: such a request lives fewer speculative steps at one load than it needs; it guards
+long generations.
+
 A load where every step verifies something has no reference: with n-gram proposals
 (hybrid) some request has a continuation on nearly every step at 16 requests and more, and
 the drafter's own probes to depth 0 still verify those. There the check could never veto
@@ -58,6 +71,17 @@ REFERENCE_SMOOTHING = 0.1
 MIN_SPECULATIVE_STEPS = 8.0
 MIN_PLAIN_STEPS = 2
 PROBE_STEPS = 2.0
+# Speculative steps (effective count) of one request before its own gains can veto, and
+# the standard errors they must lie below 1: every request is tested at every step, so
+# with 16 and 2 (the load's own) 16 requests gaining 1.08x each were vetoed in 5 of 20
+# simulated runs of 400 steps; with 32 and 3 in none, while one request at 0.75x among
+# them is caught after a median 32 of its steps and one at 0.92x after 135
+# (tests/test_realized_speed.py).
+REQUEST_MIN_STEPS = 32.0
+REQUEST_CONFIDENCE = 3.0
+# Speculative steps at a load after which a request without a step there is forgotten
+# (it finished or left the load).
+REQUEST_MEMORY_STEPS = 64
 # Standard errors the mean gain must lie below 1 to veto: per-step gains at one request
 # range from a drafted step's cost alone to K + 1 tokens, and acceptance comes in runs,
 # so a run of unlucky steps must not do it.
@@ -87,21 +111,29 @@ class StepRecord:
     drafting_s: float = 0.0  # the drafter's own measured time in it
     drafted: bool = False  # the drafter ran in it (depth > 0), not only its context pass
     tokens: int | None = None  # tokens emitted by its requests
+    # The drafting requests and the tokens each emitted (NaN: no output), for their own
+    # gains; empty where the step had none.
+    request_ids: tuple[str, ...] = ()
+    request_tokens: np.ndarray | None = None
     folded: bool = False
 
 
 @dataclass
-class _Bucket:
-    reference: float = 0.0  # measured / profiled time of plain steps
-    plain_steps: int = 0
-    speculative_since_plain: int = 0
-    vetoed: bool = False
-    weight: float = 0.0  # decayed sums over speculative steps: sum w, sum w^2, sum w g, sum w g^2
+class _Gains:
+    """Decayed sums over speculative steps: sum w, sum w^2, sum w g, sum w g^2."""
+
+    weight: float = 0.0
     weight_sq: float = 0.0
     gain_sum: float = 0.0
     gain_sq_sum: float = 0.0
-    # The gains of the last LIFT_PROBES probes' steps (what lifts a veto).
-    recent: deque = field(default_factory=lambda: deque(maxlen=int(LIFT_PROBES * PROBE_STEPS)))
+    last_step: int = 0  # the bucket's speculative step that last added a gain
+
+    def add(self, gain: float, step: int) -> None:
+        self.weight = GAIN_FORGETTING * self.weight + 1.0
+        self.weight_sq = GAIN_FORGETTING**2 * self.weight_sq + 1.0
+        self.gain_sum = GAIN_FORGETTING * self.gain_sum + gain
+        self.gain_sq_sum = GAIN_FORGETTING * self.gain_sq_sum + gain * gain
+        self.last_step = step
 
     def mean_and_error(self) -> tuple[float, float, float]:
         """(mean gain, its standard error, effective number of steps)."""
@@ -111,11 +143,37 @@ class _Bucket:
         return mean, float(np.sqrt(variance / count)), count
 
 
+@dataclass
+class _Bucket:
+    reference: float = 0.0  # measured / profiled time of plain steps
+    plain_steps: int = 0
+    speculative_since_plain: int = 0
+    vetoed: bool = False
+    speculative_steps: int = 0
+    gains: _Gains = field(default_factory=_Gains)  # per step, tokens per request
+    requests: dict[str, _Gains] = field(default_factory=dict)  # per request, its own tokens
+    # The gains of the last LIFT_PROBES probes' steps (what lifts a veto).
+    recent: deque = field(default_factory=lambda: deque(maxlen=int(LIFT_PROBES * PROBE_STEPS)))
+
+    def clear_gains(self) -> None:
+        self.gains, self.requests = _Gains(), {}
+        self.recent.clear()
+
+    def slowest_request(self) -> tuple[str, float, float, float] | None:
+        """The request whose recent gains lie lowest (mean + REQUEST_CONFIDENCE standard
+        errors) among those with REQUEST_MIN_STEPS: (id, mean, error, steps)."""
+        judged = [(rid, *g.mean_and_error()) for rid, g in self.requests.items()]
+        judged = [j for j in judged if j[3] >= REQUEST_MIN_STEPS]
+        return min(judged, key=lambda j: j[1] + REQUEST_CONFIDENCE * j[2], default=None)
+
+
 class RealizedSpeed:
     """Per-load realized gains of speculative steps over plain ones (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, each_request: bool = True) -> None:
+        """`each_request`: a request whose own gains lie below 1 vetoes its load too."""
         self._buckets: dict[int, _Bucket] = {}
+        self.each_request = each_request
 
     def add(self, step: StepRecord) -> None:
         """Fold a step once its time and tokens are both known (idempotent)."""
@@ -133,20 +191,27 @@ class RealizedSpeed:
             bucket.speculative_since_plain += 1
         if not (step.verified or step.drafted) or bucket.plain_steps == 0:
             return  # nothing to compare with yet
-        gain = (step.tokens / step.requests) * bucket.reference * step.profiled_plain_s / step.seconds
-        bucket.weight = GAIN_FORGETTING * bucket.weight + 1.0
-        bucket.weight_sq = GAIN_FORGETTING**2 * bucket.weight_sq + 1.0
-        bucket.gain_sum = GAIN_FORGETTING * bucket.gain_sum + gain
-        bucket.gain_sq_sum = GAIN_FORGETTING * bucket.gain_sq_sum + gain * gain
+        token_gain = bucket.reference * step.profiled_plain_s / step.seconds  # one token's worth
+        gain = (step.tokens / step.requests) * token_gain
+        bucket.speculative_steps += 1
+        bucket.gains.add(gain, bucket.speculative_steps)
         bucket.recent.append(gain)
+        if step.request_tokens is not None:
+            for request_id, tokens in zip(step.request_ids, step.request_tokens):
+                if np.isfinite(tokens):
+                    bucket.requests.setdefault(request_id, _Gains()).add(tokens * token_gain,
+                                                                         bucket.speculative_steps)
+        if len(bucket.requests) > step.requests:  # forget requests gone from this load
+            horizon = bucket.speculative_steps - REQUEST_MEMORY_STEPS
+            bucket.requests = {r: g for r, g in bucket.requests.items() if g.last_step > horizon}
 
     def gain(self, num_requests: int) -> tuple[float, float, float] | None:
         """(mean recent gain, standard error, effective steps) at this load; None while
         there is nothing to compare."""
         bucket = self._buckets.get(load_bucket(num_requests))
-        if bucket is None or bucket.plain_steps < MIN_PLAIN_STEPS or bucket.weight == 0.0:
+        if bucket is None or bucket.plain_steps < MIN_PLAIN_STEPS or bucket.gains.weight == 0.0:
             return None
-        return bucket.mean_and_error()
+        return bucket.gains.mean_and_error()
 
     def reference_due(self, num_requests: int) -> bool:
         """True (once) where the last REFERENCE_INTERVAL speculative steps at this load had
@@ -168,19 +233,24 @@ class RealizedSpeed:
         if bucket is None or measured is None:
             return bucket is not None and bucket.vetoed
         mean, error, count = measured
+        who = "recent speculative steps"
         if bucket.vetoed:  # the last probes' steps alone (never empty here: weight > 0)
             window = np.array(bucket.recent)
             mean, error, count = window.mean(), window.std() / np.sqrt(len(window)), len(window)
             changed = count == bucket.recent.maxlen and mean - LIFT_CONFIDENCE * error >= 1.0
         else:
             changed = count >= MIN_SPECULATIVE_STEPS and mean + CONFIDENCE * error < 1.0
+            slowest = bucket.slowest_request() if self.each_request else None
+            if not changed and slowest is not None and slowest[1] + REQUEST_CONFIDENCE * slowest[2] < 1.0:
+                who = f"request {slowest[0]}'s recent speculative steps"
+                mean, error, count = slowest[1:]
+                changed = True
         if changed:
             bucket.vetoed = not bucket.vetoed
             logger.info(
-                "vllm_dspark: at %d-%d requests recent speculative steps realized %.2fx (+- %.2f, %.0f steps) the "
-                "per-request speed of plain ones: %s", 2**index, 2 ** (index + 1) - 1, mean, error, count,
+                "vllm_dspark: at %d-%d requests %s realized %.2fx (+- %.2f, %.0f steps) the per-request speed of "
+                "plain ones: %s", 2**index, 2 ** (index + 1) - 1, who, mean, error, count,
                 "plain decoding, probing now and then" if bucket.vetoed else "speculating as the model decides",
             )
-            bucket.weight = bucket.weight_sq = bucket.gain_sum = bucket.gain_sq_sum = 0.0
-            bucket.recent.clear()
+            bucket.clear_gains()
         return bucket.vetoed
