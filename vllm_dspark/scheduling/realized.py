@@ -196,7 +196,7 @@ class RealizedSpeed:
         bucket.speculative_steps += 1
         bucket.gains.add(gain, bucket.speculative_steps)
         bucket.recent.append(gain)
-        if step.request_tokens is not None:
+        if self.each_request and step.request_tokens is not None:  # else nothing reads them
             for request_id, tokens in zip(step.request_ids, step.request_tokens):
                 if np.isfinite(tokens):
                     bucket.requests.setdefault(request_id, _Gains()).add(tokens * token_gain,
