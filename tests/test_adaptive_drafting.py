@@ -434,7 +434,7 @@ def test_only_speculative_config_profiles_at_startup_then_reuses_it(tiny_target,
     cached = cached_profile_path(profile_key(str(tiny_target), "float32"))
     assert cached.is_file(), "the start-up profile is written to the cache"
     assert engine_scheduler(llm).controller.policy.name == "dspark"
-    assert [b for b, _ in engine_scheduler(llm).controller.curve.points] == [1, 4]
+    assert [b for b, _ in engine_scheduler(llm).controller.curve.points] == [1, 4, 16, 20]  # 4 x (1 + K)
     del llm
     stamp = cached.stat().st_mtime_ns
     llm = make_llm(tiny_target, spec, max_num_seqs=4)

