@@ -111,6 +111,8 @@ def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str 
         "dspark, drafting all K": dspark(policy="dspark", **curve, adaptive_drafting=False),
         "dspark, no realized-speed check": dspark(policy="dspark", **curve, check_realized_speed=False),
         "dspark, mean realized-speed check": dspark(policy="dspark", **curve, check_each_request=False),
+        "dspark + n-gram, drafter not checked against n-gram": dspark(policy="dspark", **curve, hybrid_ngram=True,
+                                                                      check_drafter_against_ngram=False),
         "dspark + n-gram, mean realized-speed check": dspark(policy="dspark", **curve, hybrid_ngram=True,
                                                              check_each_request=False),
         "dspark, plain steps as before": dspark(policy="dspark", **curve, **PLAIN_STEPS_AS_BEFORE),
@@ -280,7 +282,8 @@ def plugin_stats(llm) -> dict | None:
     return {"steps": sum(stats.draft_depth_counts), "depths": list(stats.draft_depth_counts),
             "lm_head_rows": stats.lm_head_rows, "drafting_seconds": stats.drafting_seconds,
             "step_time_scale": stats.step_time_scale, "step_overhead_ms": stats.step_overhead_ms,
-            "vetoed_steps": stats.vetoed_steps, "drafter_skipped_steps": stats.drafter_skipped_steps}
+            "vetoed_steps": stats.vetoed_steps, "drafter_vetoed_steps": stats.drafter_vetoed_steps,
+            "drafter_skipped_steps": stats.drafter_skipped_steps}
 
 
 def plugin_delta(before: dict | None, after: dict | None) -> dict:
@@ -295,6 +298,7 @@ def plugin_delta(before: dict | None, after: dict | None) -> dict:
         "engine_steps": steps,
         "steps_without_drafting": depths[0] / steps if depths else 0.0,
         "steps_vetoed": (after["vetoed_steps"] - before["vetoed_steps"]) / steps,
+        "steps_drafter_vetoed": (after["drafter_vetoed_steps"] - before["drafter_vetoed_steps"]) / steps,
         "steps_drafter_left_out_for_ngram": (after["drafter_skipped_steps"] - before["drafter_skipped_steps"]) / steps,
         "mean_draft_depth": sum(d * n for d, n in enumerate(depths)) / steps,
         "lm_head_rows_per_step": (after["lm_head_rows"] - before["lm_head_rows"]) / steps,
@@ -364,7 +368,8 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         "",
         "| configuration | R | system tok/s | per-user tok/s (min-max wave) | vs no-spec | paired (quartiles) | predicted | decode tok/s per user | vs no-spec "
         "| slowest request's decode tok/s | first token s "
-        "| accepted length (steps with drafts) | verified drafts/step | steps without drafting (by the measured check) "
+        "| accepted length (steps with drafts) | verified drafts/step "
+        "| steps without drafting (by the measured checks: all plain; drafter only) "
         "| mean draft depth | drafting ms/step "
         "| learned step model |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -381,7 +386,8 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
             paired = paired_speedup(row, base) if base else "-"
             decode = row.get("decode_tok_s_per_user", float("nan"))
             decode_ratio = f"{decode / base['decode_tok_s_per_user']:.2f}x" if base and "decode_tok_s_per_user" in base else "-"
-            drafting = (f"{row['steps_without_drafting']:.0%} ({row['steps_vetoed']:.0%}) | {row['mean_draft_depth']:.2f} "
+            drafting = (f"{row['steps_without_drafting']:.0%} ({row['steps_vetoed']:.0%}; "
+                        f"{row['steps_drafter_vetoed']:.0%}) | {row['mean_draft_depth']:.2f} "
                         f"| {row['drafting_ms_per_step']:.1f}"
                         if "mean_draft_depth" in row else "- | - | -")
             model = (f"{row['step_time_scale']:.2f} x profile {row['step_overhead_ms']:+.1f} ms"

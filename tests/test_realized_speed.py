@@ -10,8 +10,10 @@ from tests.test_step_time_model import STARTUP_CURVE, serve
 from vllm_dspark.config import PluginOptions
 from vllm_dspark.scheduling.controller import StepInputs, VerificationController
 from vllm_dspark.scheduling.realized import (
+    LIFT_PROBES,
     MIN_SPECULATIVE_STEPS,
     PROBE_STEPS,
+    REFERENCE_INTERVAL,
     REQUEST_MIN_STEPS,
     RealizedSpeed,
     StepRecord,
@@ -321,3 +323,113 @@ def test_reference_steps_cost_a_small_share_where_speculating_pays() -> None:
     assert ctrl.stats.vetoed_steps == 0
     assert ctrl.stats.reference_steps <= 600 / (REFERENCE_INTERVAL + 1) + 1
     assert sum(verifies[100:]) >= (1 - 1.5 / (REFERENCE_INTERVAL + 1)) * 500
+
+
+def hybrid_record(seconds: float, tokens: int, drafter: bool = False, kept_plain: bool = False) -> StepRecord:
+    """A step at four requests whose plain pass is profiled at 0.1 s; `drafter`: the
+    drafter ran in it and its drafts were verified."""
+    return StepRecord(4, 0.1, tokens > 4, seconds=seconds, drafting_s=0.02 if drafter else 0.0, drafted=drafter,
+                      verified_drafter=drafter, tokens=tokens, kept_plain=kept_plain)
+
+
+@pytest.mark.parametrize("drafter_tokens, vetoed", [(6, True), (8, False)])
+def test_a_drafter_that_brings_less_than_its_cost_over_ngram_is_vetoed_alone(drafter_tokens: int, vetoed: bool) -> None:
+    """Steps with n-gram proposals alone realize 1.5x plain (6 tokens for 4 requests in a
+    plain step's time); steps with the drafter take 1.3 plain steps: with 6 tokens (1.15x)
+    the drafter is vetoed, n-gram proposals not (both beat plain decoding); with 8 (1.54x)
+    it drafts on. The check's own plain steps (here at 1.0x) are no sample of n-gram
+    proposals alone: counted there, they would pull that side below the drafter's."""
+    check = RealizedSpeed()
+    for _ in range(3):
+        check.add(hybrid_record(0.1, 4))
+    for _ in range(int(MIN_SPECULATIVE_STEPS) + 2):
+        check.add(hybrid_record(0.1, 6))
+        for _ in range(3):
+            check.add(hybrid_record(0.1, 4, kept_plain=True))
+        check.add(hybrid_record(0.13, drafter_tokens, drafter=True))
+    assert check.drafter_vetoes(4) is vetoed
+    assert not check.vetoes(4), "speculating pays: the load is not kept plain"
+
+
+def test_three_probes_that_pay_bring_the_drafter_back() -> None:
+    check = RealizedSpeed()
+    for _ in range(3):
+        check.add(hybrid_record(0.1, 4))
+    for _ in range(int(MIN_SPECULATIVE_STEPS) + 2):
+        check.add(hybrid_record(0.1, 6))
+        check.add(hybrid_record(0.13, 6, drafter=True))
+    assert check.drafter_vetoes(4)
+    for probe in range(int(LIFT_PROBES)):
+        for _ in range(int(PROBE_STEPS)):
+            check.add(hybrid_record(0.1, 6))
+            check.add(hybrid_record(0.11, 8, drafter=True))  # 1.65x: now the drafter pays
+        assert check.drafter_vetoes(4) is (probe < LIFT_PROBES - 1)
+
+
+def test_steady_drafting_asks_for_steps_without_the_drafter_once_per_interval() -> None:
+    check = RealizedSpeed()
+    check.add(hybrid_record(0.1, 4))
+    for _ in range(REFERENCE_INTERVAL - 1):
+        check.add(hybrid_record(0.13, 8, drafter=True))
+        assert not check.drafter_reference_due(4)
+    check.add(hybrid_record(0.13, 8, drafter=True))
+    assert check.drafter_reference_due(4) and not check.drafter_reference_due(4), "once"
+
+
+def serve_two_sources(ctrl: VerificationController, steps: int, drafting_per_position: float) -> list[tuple[int, bool]]:
+    """Four requests: two have an n-gram continuation on every step, two only the
+    drafter's block (confidence 0.8, which the controller, recalibration off, believes);
+    every verifying request accepts one draft. Drafting costs `drafting_per_position`
+    seconds per request and position. Returns, per step, the planned depth and whether
+    n-gram rows were verified."""
+    now, depth, ids, out = 0.0, 0, tuple("abcd"), []
+    matches = np.array([6, 6, 0, 0])
+    for _ in range(steps):
+        ctrl.step_started(now)
+        proposed = np.array([5, 5, depth, depth])
+        confidences = np.full((4, 7), 0.8)
+        inputs = StepInputs(ids, confidences, proposed, np.ones(4, bool), ngram_matches=matches)
+        verified = ctrl.decide(inputs).verified
+        tokens = 4 + int(verified.sum())
+        ctrl.step_scheduled(now, tokens, num_requests=4)
+        ctrl.observe(np.minimum(verified, 1) + 1)
+        ngram_verified = bool(verified[:2].any())
+        depth = ctrl.plan_drafting(4).depth
+        drafting = drafting_per_position * 4 * depth
+        if depth:
+            ctrl.observe_drafting(4, depth, 4 * depth, drafting)
+        now += STARTUP_CURVE.step_time(tokens) + drafting
+        out.append((depth, ngram_verified))
+    return out
+
+
+def hybrid_controller(check_drafter: bool) -> VerificationController:
+    """Judged on the mean over requests: without the drafter, its two requests here pay
+    for the n-gram rows' verification with no gain, which the check per request vetoes."""
+    options = PluginOptions(policy="dspark", sps_table=STARTUP_CURVE.points, recalibrate=False, hybrid_ngram=True,
+                            check_drafter_against_ngram=check_drafter, check_each_request=False)
+    return VerificationController(options, STARTUP_CURVE, num_speculative_tokens=7)
+
+
+def test_the_hybrid_stops_drafting_where_ngram_alone_is_faster_and_keeps_verifying_it() -> None:
+    """The drafter's two requests gain one token each per drafting step, which costs more
+    than that (its model counts all four requests as the drafter's): with the check the
+    steps go on verifying n-gram continuations without drafting; without it they draft."""
+    for check_drafter in (True, False):
+        ctrl = hybrid_controller(check_drafter)
+        late = serve_two_sources(ctrl, 600, 0.004)[300:]
+        drafting = sum(depth > 0 for depth, _ in late)
+        assert sum(ngram for _, ngram in late) > 0.9 * len(late), "n-gram continuations verified"
+        assert ctrl.stats.vetoed_steps == 0
+        if check_drafter:
+            assert ctrl.stats.drafter_vetoed_steps > 0 and drafting < 0.2 * len(late)
+        else:
+            assert drafting > 0.8 * len(late)
+
+
+def test_where_the_drafter_pays_beside_ngram_the_hybrid_drafts_on() -> None:
+    ctrl = hybrid_controller(True)
+    late = serve_two_sources(ctrl, 600, 0.0002)[300:]
+    assert ctrl.stats.drafter_vetoed_steps == 0
+    assert sum(depth > 0 for depth, _ in late) > 0.85 * len(late)
+    assert ctrl.stats.drafter_reference_steps <= 2 * (600 / REFERENCE_INTERVAL + 1)

@@ -43,7 +43,7 @@ def test_report_has_every_row(tmp_path: Path):
            "decode_tok_s_per_user": 30.0, "slowest_decode_tok_s": 29.0, "first_token_s": 0.25, "verified_drafts_per_step": 3.0, "accepted_length": 1.5, "wave_spread_seconds": [1.92, 2.4],
            "waves_seconds": [2.0, 1.92, 2.4]}
     drafted = {**row, "per_user_tok_s": 12.0, "decode_tok_s_per_user": 45.0, "steps_without_drafting": 0.5, "mean_draft_depth": 1.25,
-               "drafting_ms_per_step": 3.5, "steps_vetoed": 0.25, "engine_steps": 32, "tokens": 192, "draft_tokens": 96,
+               "drafting_ms_per_step": 3.5, "steps_vetoed": 0.25, "steps_drafter_vetoed": 0.125, "engine_steps": 32, "tokens": 192, "draft_tokens": 96,
                "step_time_scale": 1.25, "step_overhead_ms": -4.0,
                "waves_seconds": [4.0, 1.92, 3.2]}  # paired speed-ups 0.5, 1.0, 0.75
     results = {"no-spec": [row], "dspark": [drafted]}
@@ -54,7 +54,7 @@ def test_report_has_every_row(tmp_path: Path):
     assert json.loads((tmp_path / "frontier.json").read_text())["results"] == results
     table = (tmp_path / "frontier.md").read_text()
     assert "| no-spec | 4 | 96.0 | 24.00 (20.00-25.00) | 1.00x | 1.00x (1.00-1.00) | - | 30.00 | 1.00x | 29.00 | 0.250 | 1.50 | 3.00 | - | - | - | - |" in table
-    assert "| dspark | 4 | 96.0 | 12.00 (20.00-25.00) | 0.50x | 0.75x (0.50-1.00) | 1.15x | 45.00 | 1.50x | 29.00 | 0.250 | 1.50 | 3.00 | 50% (25%) | 1.25 | 3.5 | 1.25 x profile -4.0 ms |" in table
+    assert "| dspark | 4 | 96.0 | 12.00 (20.00-25.00) | 0.50x | 0.75x (0.50-1.00) | 1.15x | 45.00 | 1.50x | 29.00 | 0.250 | 1.50 | 3.00 | 50% (25%; 12%) | 1.25 | 3.5 | 1.25 x profile -4.0 ms |" in table
     assert (tmp_path / "frontier.png").stat().st_size > 0
 
 

@@ -223,6 +223,10 @@ class PluginOptions(BaseModel):
     # less than plain decoding, while the mean over requests gains (scheduling/realized.py);
     # false judges the mean alone.
     check_each_request: bool = True
+    # With the check and hybrid proposals: also stop drafting (n-gram continuations still
+    # verified) at a load where steps with the drafter have measurably realized less than
+    # steps with n-gram proposals alone (scheduling/realized.py, `drafter_vetoes`).
+    check_drafter_against_ngram: bool = True
     # A step that drafts nothing queues its context K/V, written in one batch before the
     # drafter next drafts (integration/deferred_context.py); false writes it every step.
     defer_context: bool = True

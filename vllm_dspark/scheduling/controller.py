@@ -240,6 +240,8 @@ class VerificationController:
         # whether it blocks the next step's verification.
         checks = options.check_realized_speed and options.adaptive_drafting and can_time_steps and curve is not None
         self.realized = RealizedSpeed(options.check_each_request) if checks else None
+        self._checks_drafter = self.realized is not None and self.ngram is not None and options.check_drafter_against_ngram
+        self._drafter_reference_left = 0  # steps still to plan without the drafter for its check
         self._verification_vetoed = False
         # This step's decision with its prefix survival, raw confidences, greedy mask and
         # n-gram match lengths.
@@ -343,7 +345,9 @@ class VerificationController:
             request_ids = decision[0].req_ids if decision is not None else ()
             record = StepRecord(num_requests, self.curve.step_time(num_requests), verifies,
                                 tokens=None if verifies else num_requests, request_ids=request_ids,
-                                request_tokens=None if verifies else np.ones(len(request_ids)))
+                                request_tokens=None if verifies else np.ones(len(request_ids)),
+                                verified_drafter=decision is not None and bool(verified[decision[4] == 0].sum()),
+                                kept_plain=self._verification_vetoed)
         pending = None
         if decision is not None:
             predicted = np.where(np.arange(survival.shape[1]) < verified[:, None], survival, 0.0).sum(axis=1)
@@ -398,17 +402,27 @@ class VerificationController:
             self.stats.reference_steps += 1
             self.stats.record_plan(0)
             return DraftPlan(0, 0.0, None)
+        if self._checks_drafter and num_requests and (
+                self._drafter_reference_left or self.realized.drafter_reference_due(num_requests)):
+            # Two steps without the drafter, n-gram continuations verified (realized.py).
+            self._drafter_reference_left = (self._drafter_reference_left or 2) - 1
+            self.stats.drafter_reference_steps += 1
+            self.stats.record_plan(0)
+            return DraftPlan(0, 0.0, None)
         floor = self.policy.min_survival(self.policy_curve, num_requests, self.block)
         known = self.mean_survival is not None and bool(np.isfinite(self._survival_seen_at[:depth]).all())
         if self.policy.adaptive_depth and self.curve is not None and known and num_requests:
             vetoed = self.realized is not None and self.realized.vetoes(num_requests)
+            # Hybrid: the drafter alone may be vetoed, n-gram continuations still verified.
+            drafter_vetoed = not vetoed and self._checks_drafter and self.realized.drafter_vetoes(num_requests)
             best = self._best_depth(num_requests, depth)
-            probe = self._probed_depth(0 if vetoed else best, depth)
-            # A probe under the veto tests what the model would draft.
-            depth = max(probe, best) if vetoed and probe else probe
+            probe = self._probed_depth(0 if vetoed or drafter_vetoed else best, depth)
+            # A probe under a veto tests what the model would draft.
+            depth = max(probe, best) if (vetoed or drafter_vetoed) and probe else probe
             # A probe's drafts are verified as usual; otherwise nothing is, n-gram rows included.
             self._verification_vetoed = vetoed and depth == 0
             self.stats.vetoed_steps += int(self._verification_vetoed)
+            self.stats.drafter_vetoed_steps += int(drafter_vetoed and depth == 0)
         self.stats.record_plan(depth)
         return DraftPlan(depth, floor if depth else 0.0, self._drafter_skip(depth))
 

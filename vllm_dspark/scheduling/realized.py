@@ -47,6 +47,22 @@ the drafter's own probes to depth 0 still verify those. There the check could ne
 check never fired). So after `REFERENCE_INTERVAL` speculative steps at a load without a
 plain one, `reference_due` asks the controller for one plain step (nothing drafted or
 verified), at most a 1 / (REFERENCE_INTERVAL + 1) share of a load's steps.
+
+With n-gram proposals the check above judges both sources together, and n-gram
+continuations, which cost no drafting, can carry a drafter that does not pay for itself:
+at 16 requests on code the hybrid's check vetoed 18% of the steps while the drafter ran on
+39% of them for 4.8 ms a step, where the drafter alone was vetoed on 75% (serving
+frontier, 2026-12-05). So `drafter_vetoes` compares the drafter with the n-gram proposals
+alone: the gains of steps with the drafter (it ran in them, or some request verified its
+drafts) against those of the other steps the check did not keep plain (n-gram rows
+verified, or nothing: there every request gains one token in a plain pass). Once the
+drafter's recent gains lie below the others' by `CONFIDENCE` standard errors (of the
+difference), that load stops drafting but goes on verifying n-gram continuations; the
+drafter comes back, as above, once the last `LIFT_PROBES` probes' steps gained more than
+the n-gram steps by a standard error. A step without the drafter needs two in a row that
+do not draft (the first still verifies the drafts of the step before it), which steady
+drafting never has; so after `REFERENCE_INTERVAL` steps with the drafter and none without,
+`drafter_reference_due` asks the controller for two such steps.
 """
 
 from __future__ import annotations
@@ -115,6 +131,11 @@ class StepRecord:
     # gains; empty where the step had none.
     request_ids: tuple[str, ...] = ()
     request_tokens: np.ndarray | None = None
+    # Some request verified the drafter's drafts (not only n-gram continuations).
+    verified_drafter: bool = False
+    # The check itself kept the step plain (a veto or a reference step): no sample of
+    # what the n-gram proposals alone realize.
+    kept_plain: bool = False
     folded: bool = False
 
 
@@ -144,6 +165,42 @@ class _Gains:
 
 
 @dataclass
+class _DrafterVerdict:
+    """Per load: the drafter's steps against the steps without it (module docstring)."""
+
+    with_drafter: _Gains = field(default_factory=_Gains)
+    without: _Gains = field(default_factory=_Gains)
+    recent: deque = field(default_factory=lambda: deque(maxlen=int(LIFT_PROBES * PROBE_STEPS)))
+    vetoed: bool = False
+    with_since_without: int = 0  # steps with the drafter since the last one without it
+
+    def add(self, gain: float, step: StepRecord) -> None:
+        if step.drafted or step.verified_drafter:
+            self.with_drafter.add(gain, 0)
+            self.recent.append(gain)
+            self.with_since_without += 1
+        elif not step.kept_plain:
+            self.without.add(gain, 0)
+            self.with_since_without = 0
+
+    def judge(self) -> tuple[bool, float, float, float]:
+        """(whether the verdict changes, the drafter's gain, its margin of error, the
+        n-gram steps' gain)."""
+        if self.with_drafter.weight == 0.0 or self.without.weight == 0.0:
+            return False, np.nan, np.nan, np.nan
+        without, without_error, without_count = self.without.mean_and_error()
+        if self.vetoed:  # the last probes' steps alone
+            window = np.array(self.recent)
+            mean, error = window.mean(), window.std() / np.sqrt(len(window))
+            return (len(window) == self.recent.maxlen and mean - LIFT_CONFIDENCE * error >= without,
+                    mean, error, without)
+        mean, error, count = self.with_drafter.mean_and_error()
+        error = float(np.hypot(error, without_error))
+        enough = min(count, without_count) >= MIN_SPECULATIVE_STEPS
+        return enough and mean + CONFIDENCE * error < without, mean, error, without
+
+
+@dataclass
 class _Bucket:
     reference: float = 0.0  # measured / profiled time of plain steps
     plain_steps: int = 0
@@ -151,6 +208,7 @@ class _Bucket:
     vetoed: bool = False
     speculative_steps: int = 0
     gains: _Gains = field(default_factory=_Gains)  # per step, tokens per request
+    drafter: _DrafterVerdict = field(default_factory=_DrafterVerdict)  # hybrid: the drafter's own worth
     requests: dict[str, _Gains] = field(default_factory=dict)  # per request, its own tokens
     # The gains of the last LIFT_PROBES probes' steps (what lifts a veto).
     recent: deque = field(default_factory=lambda: deque(maxlen=int(LIFT_PROBES * PROBE_STEPS)))
@@ -189,10 +247,13 @@ class RealizedSpeed:
             bucket.speculative_since_plain = 0
         elif step.verified:
             bucket.speculative_since_plain += 1
-        if not (step.verified or step.drafted) or bucket.plain_steps == 0:
+        if bucket.plain_steps == 0:
             return  # nothing to compare with yet
         token_gain = bucket.reference * step.profiled_plain_s / step.seconds  # one token's worth
         gain = (step.tokens / step.requests) * token_gain
+        bucket.drafter.add(gain, step)
+        if not (step.verified or step.drafted):
+            return
         bucket.speculative_steps += 1
         bucket.gains.add(gain, bucket.speculative_steps)
         bucket.recent.append(gain)
@@ -254,3 +315,36 @@ class RealizedSpeed:
             )
             bucket.clear_gains()
         return bucket.vetoed
+
+    def drafter_reference_due(self, num_requests: int) -> bool:
+        """True (once) where the last REFERENCE_INTERVAL steps at this load all had the
+        drafter: the caller leaves it out of the next two steps (module docstring). Never
+        where the load is kept plain (those steps would verify n-gram rows)."""
+        bucket = self._buckets.get(load_bucket(num_requests))
+        if bucket is None or bucket.vetoed or bucket.drafter.with_since_without < REFERENCE_INTERVAL:
+            return False
+        bucket.drafter.with_since_without = 0
+        return True
+
+    def drafter_vetoes(self, num_requests: int) -> bool:
+        """The drafter's verdict at this load (hybrid): True where its steps have
+        measurably realized less than the steps verifying n-gram continuations alone
+        (module docstring). Each change is logged."""
+        index = load_bucket(num_requests)
+        bucket = self._buckets.get(index)
+        if bucket is None:
+            return False
+        verdict = bucket.drafter
+        changed, mean, error, without = verdict.judge()
+        if changed:
+            verdict.vetoed = not verdict.vetoed
+            logger.info(
+                "vllm_dspark: at %d-%d requests steps with the drafter realized %.2fx (+- %.2f) the per-request "
+                "speed of plain ones, steps with n-gram proposals alone %.2fx: %s", 2**index, 2 ** (index + 1) - 1,
+                mean, error, without,
+                "n-gram proposals alone, probing the drafter now and then" if verdict.vetoed
+                else "drafting as the model decides",
+            )
+            verdict.with_drafter = _Gains()
+            verdict.recent.clear()
+        return verdict.vetoed

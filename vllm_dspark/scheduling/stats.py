@@ -41,6 +41,11 @@ class DSparkStats:
     drafting_seconds: float = 0.0
     # Steps where the measured check (scheduling/realized.py) overruled speculating.
     vetoed_steps: int = 0
+    # Steps that drafted nothing (n-gram continuations still verified) because steps with the
+    # drafter measured slower than steps with n-gram proposals alone (hybrid).
+    drafter_vetoed_steps: int = 0
+    # Steps that drafted nothing so that check has steps without the drafter to compare with.
+    drafter_reference_steps: int = 0
     # Plain steps asked for by that check because a load had no plain step to compare with.
     reference_steps: int = 0
     # The part of proposed / verified / accepted that came from n-gram lookups (hybrid).
@@ -97,7 +102,9 @@ class DSparkStats:
             f"{self.drafting_seconds:.1f} s drafting, {self.vetoed_steps} steps not speculating on measured losses, "
             f"{self.reference_steps} plain reference steps"
             + (f", n-gram drafts proposed {self.ngram_proposed}, verified {self.ngram_verified}, "
-               f"accepted {self.ngram_accepted}, drafter left out on {self.drafter_skipped_steps} steps"
+               f"accepted {self.ngram_accepted}, drafter left out on {self.drafter_skipped_steps} steps, "
+               f"not drafting on {self.drafter_vetoed_steps} steps where n-gram proposals alone measured faster "
+               f"and on {self.drafter_reference_steps} reference steps for that check"
                if self.ngram_proposed else "")
             + "".join(
                 f", {mode} confidence recalibration: slopes {[round(x, 2) for x in self.confidence_slopes[mode]]} "
