@@ -225,8 +225,10 @@ class PluginOptions(BaseModel):
     check_each_request: bool = True
     # With the check and hybrid proposals: also stop drafting (n-gram continuations still
     # verified) at a load where steps with the drafter have measurably realized less than
-    # steps with n-gram proposals alone (scheduling/realized.py, `drafter_vetoes`).
-    check_drafter_against_ngram: bool = True
+    # steps with n-gram proposals alone (scheduling/realized.py, `drafter_vetoes`). Off by
+    # default: on SmolLM2 it changed nothing beyond the waves' spread, on code or chat at
+    # R = 1, 4 or 16 (benchmarks/results/drafter_check_ab/).
+    check_drafter_against_ngram: bool = False
     # A step that drafts nothing queues its context K/V, written in one batch before the
     # drafter next drafts (integration/deferred_context.py); false writes it every step.
     defer_context: bool = True

@@ -52,8 +52,9 @@ With n-gram proposals the check above judges both sources together, and n-gram
 continuations, which cost no drafting, can carry a drafter that does not pay for itself:
 at 16 requests on code the hybrid's check vetoed 18% of the steps while the drafter ran on
 39% of them for 4.8 ms a step, where the drafter alone was vetoed on 75% (serving
-frontier, 2026-12-05). So `drafter_vetoes` compares the drafter with the n-gram proposals
-alone: the gains of steps with the drafter (it ran in them, or some request verified its
+frontier, 2026-12-05). So, with `check_drafter_against_ngram` (off by default: in an A/B
+it changed nothing beyond the waves' spread, benchmarks/results/drafter_check_ab/),
+`drafter_vetoes` compares the drafter with the n-gram proposals alone: the gains of steps with the drafter (it ran in them, or some request verified its
 drafts) against those of the other steps the check did not keep plain (n-gram rows
 verified, or nothing: there every request gains one token in a plain pass). Once the
 drafter's recent gains lie below the others' by `CONFIDENCE` standard errors (of the
