@@ -114,6 +114,24 @@ def test_probes_back_off_while_drafting_loses_and_drafting_resumes_once_it_pays(
     assert later.count(0) <= len(later) // PROBE_INTERVAL + 1, "back to the base probe rate"
 
 
+def test_each_load_backs_off_its_own_probes() -> None:
+    """Waves pass through loads: here runs of 4 steps at one request, where drafting all K
+    pays, alternate with runs of 4 at 16, where verification is dear and it does not. The
+    probes at 16 back off to every MAX_PROBE_INTERVAL of its steps; with one clock for all
+    loads, each run at one request reset the wait to PROBE_INTERVAL."""
+    curve = SpsCurve(points=[(1, 20.0), (16, 19.0), (32, 6.0), (64, 3.0)])
+    controller, depth, light, heavy = controller_on(curve), K, [], []
+    for _ in range(160):
+        light += run_steps(controller, survival=0.6, steps=4, requests=1, depth=depth, drafting_seconds=flat_drafting)
+        heavy += run_steps(controller, survival=0.6, steps=4, requests=16, depth=light[-1],
+                           drafting_seconds=flat_drafting)
+        depth = heavy[-1]
+    assert light[40:].count(K) > 0.9 * len(light[40:]), "drafting pays at one request"
+    probes = [step for step, d in enumerate(heavy) if d > 0 and step > 8]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[-2:] == [MAX_PROBE_INTERVAL] * 2
+
+
 @pytest.mark.parametrize("policy", ADAPTIVE_POLICIES)
 def test_always_drafts_in_full_where_it_always_pays(policy: str) -> None:
     # Verification is nearly free and drafts survive: draft every position, every step but

@@ -27,7 +27,11 @@ and D the drafting time, learned live by least squares on the drafter's own timi
 drafts the best d. Until every position has been drafted once it drafts all K. Once every
 `PROBE_INTERVAL` steps it probes instead, by turns one position deeper than the best d
 (if d < K) and not at all (if d > 0); while the best d stays 0 the interval doubles after
-each probe, up to `MAX_PROBE_INTERVAL`. At 16 requests on a CPU, where plain decoding
+each probe, up to `MAX_PROBE_INTERVAL`. Each load (requests in the pass, in the powers of
+two of the realized-speed check) keeps its own probe clock: with one clock, a wave's ramp
+and tail, at loads where drafting paid, reset the interval to 16 for the load where it did
+not (at 4 requests dspark drafted on 8% of its steps while the check kept 91% of them
+plain). At 16 requests on a CPU, where plain decoding
 won, the probes drafted on 6% of the steps (every 16th), each such step about 1.4x a
 plain one (fixed k = 1 in `benchmarks/results/drafting_breakdown.md`); the backoff takes
 that below 1% after a few hundred steps, and a change of load needs no probe (the best d
@@ -70,7 +74,7 @@ from vllm_dspark.scheduling.policies import (
     policy_from_options,
 )
 from vllm_dspark.scheduling.ranking import SpsFunction
-from vllm_dspark.scheduling.realized import RealizedSpeed, StepRecord
+from vllm_dspark.scheduling.realized import RealizedSpeed, StepRecord, load_bucket
 from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
 from vllm_dspark.scheduling.sps import SpsCurve
 from vllm_dspark.scheduling.stats import DSparkStats
@@ -187,6 +191,16 @@ class _Pending:
     record: StepRecord | None  # the step for the realized-speed check (None: not timed)
 
 
+@dataclass
+class _ProbeClock:
+    """One load's probing: steps since its last probe, the wait for the next (backs off
+    while not drafting is best there) and which probe comes next where both apply."""
+
+    steps_since: int = 0
+    interval: int = PROBE_INTERVAL
+    deeper: bool = True
+
+
 def _flat_curve(batch_tokens: np.ndarray) -> np.ndarray:
     """Stand-in SPS for policies that ignore the curve (fixed, threshold)."""
     return np.ones_like(np.asarray(batch_tokens, dtype=np.float64))
@@ -257,9 +271,7 @@ class VerificationController:
         self.mean_survival: np.ndarray | None = None
         self._survival_seen_at = np.full(self.block, -np.inf)
         self._planned_steps = 0
-        self._steps_since_probe = 0
-        self._probe_interval = PROBE_INTERVAL  # steps between probes (backs off while d = 0)
-        self._probe_deeper = True  # which probe comes next where both apply
+        self._probe_clocks: dict[int, _ProbeClock] = {}  # per load bucket
 
     # ------------------------------------------------------------ the step
     def step_started(self, now: float) -> None:
@@ -416,7 +428,7 @@ class VerificationController:
             # Hybrid: the drafter alone may be vetoed, n-gram continuations still verified.
             drafter_vetoed = not vetoed and self._checks_drafter and self.realized.drafter_vetoes(num_requests)
             best = self._best_depth(num_requests, depth)
-            probe = self._probed_depth(0 if vetoed or drafter_vetoed else best, depth)
+            probe = self._probed_depth(0 if vetoed or drafter_vetoed else best, depth, num_requests)
             # A probe under a veto tests what the model would draft.
             depth = max(probe, best) if (vetoed or drafter_vetoed) and probe else probe
             # A probe's drafts are verified as usual; otherwise nothing is, n-gram rows included.
@@ -436,19 +448,20 @@ class VerificationController:
         skip = hybrid.DrafterSkip(self.ngram.table(), float(expected))
         return skip if skip.possible() else None
 
-    def _probed_depth(self, best: int, max_depth: int) -> int:
-        """`best`, or a probe of it once every `PROBE_INTERVAL` steps, less often while
-        the best is not to draft (module docstring)."""
-        self._steps_since_probe += 1
+    def _probed_depth(self, best: int, max_depth: int, num_requests: int) -> int:
+        """`best`, or a probe of it once every `PROBE_INTERVAL` steps at this load, less
+        often while the best there is not to draft (module docstring)."""
+        clock = self._probe_clocks.setdefault(load_bucket(num_requests), _ProbeClock())
+        clock.steps_since += 1
         if best > 0:
-            self._probe_interval = PROBE_INTERVAL
-        if self._steps_since_probe < self._probe_interval or max_depth == 0:
+            clock.interval = PROBE_INTERVAL
+        if clock.steps_since < clock.interval or max_depth == 0:
             return best
-        self._steps_since_probe = 0
+        clock.steps_since = 0
         if best == 0:
-            self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
-        deeper = best < max_depth and (self._probe_deeper or best == 0)
-        self._probe_deeper = not deeper
+            clock.interval = min(2 * clock.interval, MAX_PROBE_INTERVAL)
+        deeper = best < max_depth and (clock.deeper or best == 0)
+        clock.deeper = not deeper
         return best + 1 if deeper else 0
 
     def _best_depth(self, num_requests: int, max_depth: int) -> int:
