@@ -30,8 +30,9 @@ drafts the best d. Until every position has been drafted once it drafts all K. O
 each probe, up to `MAX_PROBE_INTERVAL`. Each load (requests in the pass, in the powers of
 two of the realized-speed check) keeps its own probe clock: with one clock, a wave's ramp
 and tail, at loads where drafting paid, reset the interval to 16 for the load where it did
-not (at 4 requests dspark drafted on 8% of its steps while the check kept 91% of them
-plain). At 16 requests on a CPU, where plain decoding
+not. (In the serving frontier at 4 requests that moved the share of steps dspark drafted
+from 8% to 7% while the check kept 91-93% plain: the rest is most likely the drafting after each lifted veto.)
+At 16 requests on a CPU, where plain decoding
 won, the probes drafted on 6% of the steps (every 16th), each such step about 1.4x a
 plain one (fixed k = 1 in `benchmarks/results/drafting_breakdown.md`); the backoff takes
 that below 1% after a few hundred steps, and a change of load needs no probe (the best d
