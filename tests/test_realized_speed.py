@@ -339,7 +339,7 @@ def test_a_drafter_that_brings_less_than_its_cost_over_ngram_is_vetoed_alone(dra
     the drafter is vetoed, n-gram proposals not (both beat plain decoding); with 8 (1.54x)
     it drafts on. The check's own plain steps (here at 1.0x) are no sample of n-gram
     proposals alone: counted there, they would pull that side below the drafter's."""
-    check = RealizedSpeed()
+    check = RealizedSpeed(drafter_against_ngram=True)
     for _ in range(3):
         check.add(hybrid_record(0.1, 4))
     for _ in range(int(MIN_SPECULATIVE_STEPS) + 2):
@@ -352,7 +352,7 @@ def test_a_drafter_that_brings_less_than_its_cost_over_ngram_is_vetoed_alone(dra
 
 
 def test_three_probes_that_pay_bring_the_drafter_back() -> None:
-    check = RealizedSpeed()
+    check = RealizedSpeed(drafter_against_ngram=True)
     for _ in range(3):
         check.add(hybrid_record(0.1, 4))
     for _ in range(int(MIN_SPECULATIVE_STEPS) + 2):
@@ -367,7 +367,7 @@ def test_three_probes_that_pay_bring_the_drafter_back() -> None:
 
 
 def test_steady_drafting_asks_for_steps_without_the_drafter_once_per_interval() -> None:
-    check = RealizedSpeed()
+    check = RealizedSpeed(drafter_against_ngram=True)
     check.add(hybrid_record(0.1, 4))
     for _ in range(REFERENCE_INTERVAL - 1):
         check.add(hybrid_record(0.13, 8, drafter=True))

@@ -254,8 +254,8 @@ class VerificationController:
         # The measured check on speculating (None: off, or steps cannot be timed) and
         # whether it blocks the next step's verification.
         checks = options.check_realized_speed and options.adaptive_drafting and can_time_steps and curve is not None
-        self.realized = RealizedSpeed(options.check_each_request) if checks else None
-        self._checks_drafter = self.realized is not None and self.ngram is not None and options.check_drafter_against_ngram
+        checks_drafter = self.ngram is not None and options.check_drafter_against_ngram
+        self.realized = RealizedSpeed(options.check_each_request, checks_drafter) if checks else None
         self._drafter_reference_left = 0  # steps still to plan without the drafter for its check
         self._verification_vetoed = False
         # This step's decision with its prefix survival, raw confidences, greedy mask and
@@ -273,6 +273,11 @@ class VerificationController:
         self._survival_seen_at = np.full(self.block, -np.inf)
         self._planned_steps = 0
         self._probe_clocks: dict[int, _ProbeClock] = {}  # per load bucket
+
+    @property
+    def _checks_drafter(self) -> bool:
+        """The hybrid's drafter is checked against n-gram proposals alone (realized.py)."""
+        return self.realized is not None and self.realized.drafter_against_ngram
 
     # ------------------------------------------------------------ the step
     def step_started(self, now: float) -> None:
@@ -359,7 +364,8 @@ class VerificationController:
             record = StepRecord(num_requests, self.curve.step_time(num_requests), verifies,
                                 tokens=None if verifies else num_requests, request_ids=request_ids,
                                 request_tokens=None if verifies else np.ones(len(request_ids)),
-                                verified_drafter=decision is not None and bool(verified[decision[4] == 0].sum()),
+                                verified_drafter=(self._checks_drafter and decision is not None
+                                                  and bool(verified[matches == 0].sum())),
                                 kept_plain=self._verification_vetoed)
         pending = None
         if decision is not None:

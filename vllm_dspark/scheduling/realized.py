@@ -132,7 +132,8 @@ class StepRecord:
     # gains; empty where the step had none.
     request_ids: tuple[str, ...] = ()
     request_tokens: np.ndarray | None = None
-    # Some request verified the drafter's drafts (not only n-gram continuations).
+    # Some request verified the drafter's drafts, not only n-gram continuations (set where
+    # the drafter is checked against them).
     verified_drafter: bool = False
     # The check itself kept the step plain (a veto or a reference step): no sample of
     # what the n-gram proposals alone realize.
@@ -150,7 +151,7 @@ class _Gains:
     gain_sq_sum: float = 0.0
     last_step: int = 0  # the bucket's speculative step that last added a gain
 
-    def add(self, gain: float, step: int) -> None:
+    def add(self, gain: float, step: int = 0) -> None:
         self.weight = GAIN_FORGETTING * self.weight + 1.0
         self.weight_sq = GAIN_FORGETTING**2 * self.weight_sq + 1.0
         self.gain_sum = GAIN_FORGETTING * self.gain_sum + gain
@@ -165,23 +166,36 @@ class _Gains:
         return mean, float(np.sqrt(variance / count)), count
 
 
+def _probe_window() -> deque:
+    """The gains of the last LIFT_PROBES probes' steps (what lifts a veto)."""
+    return deque(maxlen=int(LIFT_PROBES * PROBE_STEPS))
+
+
+def _lifts(window: deque, bar: float) -> tuple[bool, float, float, int]:
+    """(whether the probes' steps in a full `window` gained more than `bar` by
+    LIFT_CONFIDENCE standard errors, their mean gain, its error, their count)."""
+    gains = np.array(window)
+    mean, error = gains.mean(), gains.std() / np.sqrt(len(gains))
+    return len(gains) == window.maxlen and mean - LIFT_CONFIDENCE * error >= bar, mean, error, len(gains)
+
+
 @dataclass
 class _DrafterVerdict:
     """Per load: the drafter's steps against the steps without it (module docstring)."""
 
     with_drafter: _Gains = field(default_factory=_Gains)
     without: _Gains = field(default_factory=_Gains)
-    recent: deque = field(default_factory=lambda: deque(maxlen=int(LIFT_PROBES * PROBE_STEPS)))
+    recent: deque = field(default_factory=_probe_window)
     vetoed: bool = False
     with_since_without: int = 0  # steps with the drafter since the last one without it
 
     def add(self, gain: float, step: StepRecord) -> None:
         if step.drafted or step.verified_drafter:
-            self.with_drafter.add(gain, 0)
+            self.with_drafter.add(gain)
             self.recent.append(gain)
             self.with_since_without += 1
         elif not step.kept_plain:
-            self.without.add(gain, 0)
+            self.without.add(gain)
             self.with_since_without = 0
 
     def judge(self) -> tuple[bool, float, float, float]:
@@ -191,10 +205,8 @@ class _DrafterVerdict:
             return False, np.nan, np.nan, np.nan
         without, without_error, without_count = self.without.mean_and_error()
         if self.vetoed:  # the last probes' steps alone
-            window = np.array(self.recent)
-            mean, error = window.mean(), window.std() / np.sqrt(len(window))
-            return (len(window) == self.recent.maxlen and mean - LIFT_CONFIDENCE * error >= without,
-                    mean, error, without)
+            lifted, mean, error, _ = _lifts(self.recent, without)
+            return lifted, mean, error, without
         mean, error, count = self.with_drafter.mean_and_error()
         error = float(np.hypot(error, without_error))
         enough = min(count, without_count) >= MIN_SPECULATIVE_STEPS
@@ -211,8 +223,7 @@ class _Bucket:
     gains: _Gains = field(default_factory=_Gains)  # per step, tokens per request
     drafter: _DrafterVerdict = field(default_factory=_DrafterVerdict)  # hybrid: the drafter's own worth
     requests: dict[str, _Gains] = field(default_factory=dict)  # per request, its own tokens
-    # The gains of the last LIFT_PROBES probes' steps (what lifts a veto).
-    recent: deque = field(default_factory=lambda: deque(maxlen=int(LIFT_PROBES * PROBE_STEPS)))
+    recent: deque = field(default_factory=_probe_window)
 
     def clear_gains(self) -> None:
         self.gains, self.requests = _Gains(), {}
@@ -229,10 +240,12 @@ class _Bucket:
 class RealizedSpeed:
     """Per-load realized gains of speculative steps over plain ones (module docstring)."""
 
-    def __init__(self, each_request: bool = True) -> None:
-        """`each_request`: a request whose own gains lie below 1 vetoes its load too."""
+    def __init__(self, each_request: bool = True, drafter_against_ngram: bool = False) -> None:
+        """`each_request`: a request whose own gains lie below 1 vetoes its load too;
+        `drafter_against_ngram`: keep the drafter's verdict (`drafter_vetoes`) too."""
         self._buckets: dict[int, _Bucket] = {}
         self.each_request = each_request
+        self.drafter_against_ngram = drafter_against_ngram
 
     def add(self, step: StepRecord) -> None:
         """Fold a step once its time and tokens are both known (idempotent)."""
@@ -252,7 +265,8 @@ class RealizedSpeed:
             return  # nothing to compare with yet
         token_gain = bucket.reference * step.profiled_plain_s / step.seconds  # one token's worth
         gain = (step.tokens / step.requests) * token_gain
-        bucket.drafter.add(gain, step)
+        if self.drafter_against_ngram:
+            bucket.drafter.add(gain, step)
         if not (step.verified or step.drafted):
             return
         bucket.speculative_steps += 1
@@ -297,9 +311,7 @@ class RealizedSpeed:
         mean, error, count = measured
         who = "recent speculative steps"
         if bucket.vetoed:  # the last probes' steps alone (never empty here: weight > 0)
-            window = np.array(bucket.recent)
-            mean, error, count = window.mean(), window.std() / np.sqrt(len(window)), len(window)
-            changed = count == bucket.recent.maxlen and mean - LIFT_CONFIDENCE * error >= 1.0
+            changed, mean, error, count = _lifts(bucket.recent, 1.0)
         else:
             changed = count >= MIN_SPECULATIVE_STEPS and mean + CONFIDENCE * error < 1.0
             slowest = bucket.slowest_request() if self.each_request else None
