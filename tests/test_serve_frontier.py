@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from vllm_dspark.config import PluginOptions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,3 +131,33 @@ def test_drafting_breakdown_lever_rows_read_the_measured_rows(monkeypatch):
     assert "at most 0.11 ms" in text
     assert not any("deferred context" in line for line in lines)  # its two floor rows were not measured
     assert not any("allocations" in line for line in breakdown.lever_rows(rows, "4096", None))
+
+
+def test_openmp_rows_are_compared_with_plain_decoding_under_their_runtime(monkeypatch, tmp_path: Path):
+    frontier = load_script()
+    library = tmp_path / "lib" / "libiomp5.so"
+    library.parent.mkdir()
+    library.write_bytes(b"")
+    monkeypatch.setattr(frontier.sys, "prefix", str(tmp_path))
+    plan = {"no-spec": {}, "dspark": {"speculative_config": {"method": "vllm_dspark"}}}
+    assert frontier.with_openmp(plan, "inherit") == plan
+    both = frontier.with_openmp(plan, "both")
+    assert both["dspark, Intel OpenMP"] == plan["dspark"] | {"environment": {"LD_PRELOAD": str(library)}}
+    assert both["dspark, GNU OpenMP"]["environment"] == {"LD_PRELOAD": ""}
+    assert {name: frontier.baseline_name(name) for name in both} == {
+        "no-spec, GNU OpenMP": "no-spec, GNU OpenMP", "no-spec, Intel OpenMP": "no-spec, Intel OpenMP",
+        "dspark, GNU OpenMP": "no-spec, GNU OpenMP", "dspark, Intel OpenMP": "no-spec, Intel OpenMP"}
+    assert set(frontier.with_openmp(plan, "intel")) == {"no-spec", "dspark"}
+    assert frontier.baseline_name("dspark") == "no-spec"
+    library.unlink()
+    with pytest.raises(SystemExit, match="no Intel OpenMP runtime"):
+        frontier.with_openmp(plan, "intel")
+
+
+def test_an_engine_starts_with_its_environment_and_the_parent_keeps_its_own(monkeypatch):
+    frontier = load_script()
+    monkeypatch.setenv("LD_PRELOAD", "parent.so")
+    monkeypatch.delenv("DSPARK_TEST_ONLY", raising=False)
+    with frontier.patched_environment({"LD_PRELOAD": "", "DSPARK_TEST_ONLY": "1"}):
+        assert frontier.os.environ["LD_PRELOAD"] == "" and frontier.os.environ["DSPARK_TEST_ONLY"] == "1"
+    assert frontier.os.environ["LD_PRELOAD"] == "parent.so" and "DSPARK_TEST_ONLY" not in frontier.os.environ
