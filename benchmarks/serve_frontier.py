@@ -214,7 +214,7 @@ def serve_waves(conn, target: str, settings: dict, max_num_seqs: int, max_tokens
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override engine_kwargs' KV cache size
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=target, **engine_kwargs(max_num_seqs), **settings)
+    llm = LLM(model=target, **(engine_kwargs(max_num_seqs) | settings))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.chat(eval_prompts(1, prompt_set), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     conn.send({"spec": spec_counters(llm), "plugin": plugin_stats(llm), "curve": engine_curve(llm)})
@@ -494,6 +494,9 @@ def main() -> int:
                         help="SPS profile JSON for the rows that price drafts (default: each engine's start-up profile)")
     parser.add_argument("--openmp", choices=("inherit", "gnu", "intel", "both"), default="inherit",
                         help="OpenMP runtime of the engines (LD_PRELOAD); both: every row under each, side by side")
+    parser.add_argument("--kv-cache-mib-per-request", type=int, default=None,
+                        help=f"KV cache per request of the largest R (default {KV_CACHE_BYTES_PER_REQUEST >> 20} MiB); "
+                             "less lets more engines fit at R = 64")
     parser.add_argument("--out", type=Path, default=RESULTS / "serve_frontier")
     args = parser.parse_args()
 
@@ -505,6 +508,9 @@ def main() -> int:
     configs = configurations(args.drafter, args.k, curve_options(args.sps_profile), args.reduced_drafter)
     plan = with_openmp({name: settings for name, settings in configs.items() if not args.only or name in args.only},
                        args.openmp)
+    if args.kv_cache_mib_per_request is not None:
+        kv_bytes = max(MIN_KV_CACHE_BYTES, max(args.concurrency) * args.kv_cache_mib_per_request << 20)
+        plan = {name: settings | {"kv_cache_memory_bytes": kv_bytes} for name, settings in plan.items()}
     meta = {
         "target": target,
         "drafter": args.drafter,
