@@ -147,7 +147,8 @@ def intel_openmp() -> str:
     return str(library)
 
 
-OPENMP_SUFFIXES = (", GNU OpenMP", ", Intel OpenMP")
+# --openmp choice: the runtime's name in row names.
+OPENMP_RUNTIMES = {"gnu": "GNU OpenMP", "intel": "Intel OpenMP"}
 
 
 def with_openmp(plan: dict[str, dict], runtimes: str) -> dict[str, dict]:
@@ -157,16 +158,16 @@ def with_openmp(plan: dict[str, dict], runtimes: str) -> dict[str, dict]:
     "..., Intel OpenMP")."""
     if runtimes == "inherit":
         return plan
-    preloads = {OPENMP_SUFFIXES[0][2:]: "", OPENMP_SUFFIXES[1][2:]: intel_openmp()}
-    chosen = preloads if runtimes == "both" else {name: path for name, path in preloads.items()
-                                                  if name.split()[0].lower() == runtimes}
-    return {(f"{name}, {runtime}" if runtimes == "both" else name): settings | {"environment": {"LD_PRELOAD": preload}}
-            for name, settings in plan.items() for runtime, preload in chosen.items()}
+    chosen = list(OPENMP_RUNTIMES) if runtimes == "both" else [runtimes]
+    preloads = {runtime: intel_openmp() if runtime == "intel" else "" for runtime in chosen}
+    return {(f"{name}, {OPENMP_RUNTIMES[runtime]}" if runtimes == "both" else name):
+            settings | {"environment": {"LD_PRELOAD": preloads[runtime]}}
+            for name, settings in plan.items() for runtime in chosen}
 
 
 def baseline_name(name: str) -> str:
     """The row `name` is compared with: plain decoding, under the same OpenMP runtime."""
-    runtime = next((suffix for suffix in OPENMP_SUFFIXES if name.endswith(suffix)), "")
+    runtime = next((f", {label}" for label in OPENMP_RUNTIMES.values() if name.endswith(f", {label}")), "")
     return "no-spec" + runtime
 
 

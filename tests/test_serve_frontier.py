@@ -152,6 +152,7 @@ def test_openmp_rows_are_compared_with_plain_decoding_under_their_runtime(monkey
     library.unlink()
     with pytest.raises(SystemExit, match="no Intel OpenMP runtime"):
         frontier.with_openmp(plan, "intel")
+    assert frontier.with_openmp(plan, "gnu")["dspark"]["environment"] == {"LD_PRELOAD": ""}  # needs no libiomp5
 
 
 def test_an_engine_starts_with_its_environment_and_the_parent_keeps_its_own(monkeypatch):
