@@ -37,7 +37,6 @@ depth, drafting time) beside the speed-up its accepted tokens and the step curve
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import multiprocessing
@@ -47,6 +46,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable
+from unittest import mock
 
 from vllm_dspark.evaluation.dataset import default_eval_dir
 
@@ -180,11 +180,16 @@ KV_CACHE_BYTES_PER_REQUEST = 1 << 25  # 32 MiB
 MIN_KV_CACHE_BYTES = 4 * KV_CACHE_BYTES_PER_REQUEST
 
 
+def kv_cache_bytes(max_num_seqs: int, per_request: int = KV_CACHE_BYTES_PER_REQUEST) -> int:
+    """An engine's KV cache for `max_num_seqs` requests at once."""
+    return max(MIN_KV_CACHE_BYTES, max_num_seqs * per_request)
+
+
 def engine_kwargs(max_num_seqs: int) -> dict:
     """The engine settings every row shares (the drafting breakdown uses them too)."""
     return dict(dtype="float32", enforce_eager=True, distributed_executor_backend="uni", max_num_seqs=max_num_seqs,
                 max_model_len=2048, seed=0, disable_log_stats=False, enable_prefix_caching=False,
-                kv_cache_memory_bytes=max(MIN_KV_CACHE_BYTES, max_num_seqs * KV_CACHE_BYTES_PER_REQUEST))
+                kv_cache_memory_bytes=kv_cache_bytes(max_num_seqs))
 
 
 def decode_speeds(outputs) -> list[float]:
@@ -304,20 +309,9 @@ def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], 
                 process.kill()
 
 
-@contextlib.contextmanager
-def patched_environment(variables: dict[str, str]):
-    """os.environ with `variables` set while the block runs (a spawned engine process
-    inherits it), restored afterwards."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+# os.environ with the given variables set while the block runs (a spawned engine process
+# inherits them), restored afterwards.
+patched_environment = functools.partial(mock.patch.dict, os.environ)
 
 
 def plugin_controller(llm):
@@ -510,7 +504,7 @@ def main() -> int:
     plan = with_openmp({name: settings for name, settings in configs.items() if not args.only or name in args.only},
                        args.openmp)
     if args.kv_cache_mib_per_request is not None:
-        kv_bytes = max(MIN_KV_CACHE_BYTES, max(args.concurrency) * args.kv_cache_mib_per_request << 20)
+        kv_bytes = kv_cache_bytes(max(args.concurrency), args.kv_cache_mib_per_request << 20)
         plan = {name: settings | {"kv_cache_memory_bytes": kv_bytes} for name, settings in plan.items()}
     meta = {
         "target": target,
