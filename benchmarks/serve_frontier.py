@@ -42,7 +42,9 @@ import json
 import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -165,8 +167,31 @@ def with_openmp(plan: dict[str, dict], runtimes: str) -> dict[str, dict]:
             for name, settings in plan.items() for runtime in chosen}
 
 
+def plugin_at_commit(commit: str, into: Path) -> Path:
+    """The plugin's package as of `commit` (vllm_dspark with its kernels), extracted under
+    `into`: a folder that, first on sys.path, makes an engine run that commit's plugin."""
+    for folder in ("vllm_dspark", "kernels"):
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, folder], check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    (into / "kernels").rename(into / "vllm_dspark" / "kernels")  # as setup.py installs it
+    return into
+
+
+def with_commit(plan: dict[str, dict], commit: str, plugin: Path) -> dict[str, dict]:
+    """`plan` plus, for every vllm_dspark row, the same row served by the plugin at `commit`
+    (named "... @ commit"): a change and its parent side by side in one run."""
+    def ours(settings: dict) -> bool:
+        return settings.get("speculative_config", {}).get("method") == "vllm_dspark"
+
+    def at_commit(settings: dict) -> dict:
+        return settings | {"plugin_path": str(plugin)}
+
+    return plan | {f"{name} @ {commit}": at_commit(settings) for name, settings in plan.items() if ours(settings)}
+
+
 def baseline_name(name: str) -> str:
     """The row `name` is compared with: plain decoding, under the same OpenMP runtime."""
+    name = name.split(" @ ")[0]
     runtime = next((f", {label}" for label in OPENMP_RUNTIMES.values() if name.endswith(f", {label}")), "")
     return "no-spec" + runtime
 
@@ -279,8 +304,10 @@ def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], 
             ours, theirs = context.Pipe()
             settings = dict(settings)
             environment = settings.pop("environment", {})  # read by the dynamic loader: set before the start
+            # A spawned process takes this one's sys.path (not PYTHONPATH), so a plugin path goes first there.
+            path = [settings.pop("plugin_path")] if "plugin_path" in settings else []
             process = context.Process(target=serve_waves, args=(theirs, target, settings, max(concurrency), max_tokens, prompt_set))
-            with patched_environment(environment):
+            with patched_environment(environment), mock.patch.object(sys, "path", path + sys.path):
                 process.start()
             engines[name] = (process, ours, ours.recv())
         curve = next((first["curve"] for _, _, first in engines.values() if first.get("curve")), None)
@@ -492,6 +519,8 @@ def main() -> int:
     parser.add_argument("--kv-cache-mib-per-request", type=int, default=None,
                         help=f"KV cache per request of the largest R (default {KV_CACHE_BYTES_PER_REQUEST >> 20} MiB); "
                              "less lets more engines fit at R = 64")
+    parser.add_argument("--baseline-commit", default=None,
+                        help="also run every vllm_dspark row with the plugin as of this git commit (A/B of a change)")
     parser.add_argument("--out", type=Path, default=RESULTS / "serve_frontier")
     args = parser.parse_args()
 
@@ -503,6 +532,9 @@ def main() -> int:
     configs = configurations(args.drafter, args.k, curve_options(args.sps_profile), args.reduced_drafter)
     plan = with_openmp({name: settings for name, settings in configs.items() if not args.only or name in args.only},
                        args.openmp)
+    if args.baseline_commit:
+        plugin = plugin_at_commit(args.baseline_commit, Path(tempfile.mkdtemp(prefix="vllm-dspark-baseline-")))
+        plan = with_commit(plan, args.baseline_commit, plugin)
     if args.kv_cache_mib_per_request is not None:
         kv_bytes = kv_cache_bytes(max(args.concurrency), args.kv_cache_mib_per_request << 20)
         plan = {name: settings | {"kv_cache_memory_bytes": kv_bytes} for name, settings in plan.items()}
@@ -520,6 +552,7 @@ def main() -> int:
         "hardware": hardware_name(),
         "openmp": {"inherit": f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}", "gnu": "GNU libgomp",
                    "intel": "Intel libiomp5 (preloaded)", "both": "each row under GNU libgomp and Intel libiomp5"}[args.openmp],
+        "baseline_commit": args.baseline_commit,
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
 

@@ -258,3 +258,28 @@ def test_lookup_after_step_appends_the_sampled_tokens() -> None:
     assert token_ids[0, 7] == 0, "the batch itself is left for vLLM's bookkeeping"
     runner.discard_request_mask.np[1] = True  # a prompt chunk: its sampled token is discarded
     assert lookup_after_step(runner, torch.tensor(sampled)) is None
+
+
+def test_requests_without_a_proposal_count_as_plain_requests_of_the_pass() -> None:
+    """A step where only some requests have an n-gram continuation (the drafter not
+    drafting): the others decode one token each in the same pass. Counted, they raise the
+    bar for the continuation's drafts; left out, the policy would verify as if the pass
+    served the drafting request alone."""
+    from types import SimpleNamespace
+
+    from vllm_dspark.integration.scheduler import other_tokens
+
+    decoding = [SimpleNamespace(num_tokens=40, num_computed_tokens=39) for _ in range(7)]
+    prompt_chunk = SimpleNamespace(num_tokens=300, num_computed_tokens=100)
+    waiting = [SimpleNamespace(num_tokens=12, num_computed_tokens=0)]
+    assert other_tokens(decoding + [prompt_chunk], waiting) == (7 + 200 + 12, 7)
+    row = hybrid.NgramConfidence(4).conditional(np.array([5]), np.array([4]), np.array([True]))  # 0.5 each
+    steep = SpsCurve(points=[(1, 10.0), (16, 5.0)])  # a step of 8 tokens costs 1.47 of one
+    ctrl = VerificationController(PluginOptions(policy="dspark", sps_table=steep.points, measure_step_overhead=False),
+                                  steep, num_speculative_tokens=4)
+    alone, beside_plain = (
+        ctrl.decide(StepInputs(req_ids=("a",), confidences=row, proposed=np.array([4]), greedy=np.array([True]),
+                                       ngram_matches=np.array([5]), base_tokens=plain, plain_requests=plain))
+        for plain in (0, 7))
+    assert beside_plain.plain_requests == 7
+    assert (alone.verified[0], beside_plain.verified[0]) == (3, 1)

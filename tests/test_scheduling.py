@@ -24,11 +24,11 @@ def reference_order(c: np.ndarray) -> list[tuple[int, int, float]]:
     return sorted((s for s in slots if s[2] > 0), key=lambda s: (-s[2], s[1], s[0]))
 
 
-def reference_dspark(c: np.ndarray, sps, base_tokens: int = 0) -> np.ndarray:
-    """DSPARK.md section 4, line by line."""
+def reference_dspark(c: np.ndarray, sps, base_tokens: int = 0, plain_requests: int = 0) -> np.ndarray:
+    """DSPARK.md section 4, line by line (plain requests: one token each, nothing to verify)."""
     num_requests = c.shape[0]
     lengths = np.zeros(num_requests, dtype=np.int64)
-    batch, tau = base_tokens + num_requests, float(num_requests)
+    batch, tau = base_tokens + num_requests, float(num_requests + plain_requests)
     best, chosen = tau * float(sps(batch)), lengths.copy()
     for r, j, a in reference_order(c):
         lengths[r] = j
@@ -42,10 +42,11 @@ def reference_dspark(c: np.ndarray, sps, base_tokens: int = 0) -> np.ndarray:
     return chosen
 
 
-def reference_budget(c: np.ndarray, sps, base_tokens: int = 0) -> int:
+def reference_budget(c: np.ndarray, sps, base_tokens: int = 0, plain_requests: int = 0) -> int:
     """Full scan: the prefix length of the reference order with the largest tau * SPS(B)."""
     num_requests = c.shape[0]
-    tau, best, best_n = float(num_requests), num_requests * float(sps(base_tokens + num_requests)), 0
+    tau = float(num_requests + plain_requests)
+    best, best_n = tau * float(sps(base_tokens + num_requests)), 0
     for n, (_, _, a) in enumerate(reference_order(c), start=1):
         tau += a
         theta = tau * float(sps(base_tokens + num_requests + n))
@@ -265,6 +266,17 @@ def test_base_tokens_count_in_the_batch() -> None:
     assert select_verify_lengths([[0.5]], curve, base_tokens=9).tolist() == [0]  # 1.5*.3 < .5
 
 
+def test_plain_requests_count_in_expected_tokens() -> None:
+    """Decoding requests without drafts emit a token each and are slowed by every verified
+    draft: counted, they raise the bar a draft must clear. A curve where one more token
+    costs 20%: 0.3 pays alone (1.3 * 0.8 > 1) but not beside a plain request (2.3 * 0.8 < 2)."""
+    curve = SpsCurve(points=[(1, 1.0), (2, 0.8), (3, 0.64)])
+    assert select_verify_lengths([[0.3]], curve, base_tokens=1).tolist() == [1]  # a prefill token
+    assert select_verify_lengths([[0.3]], curve, base_tokens=1, plain_requests=1).tolist() == [0]
+    with pytest.raises(ValueError, match="plain_requests"):
+        select_verify_lengths([[0.3]], curve, base_tokens=0, plain_requests=1)
+
+
 def test_dspark_verifies_less_as_load_grows() -> None:
     cpu = SpsCurve(points=[(1, 1000 / 84), (8, 1000 / 112), (64, 1000 / 308), (128, 1000 / 473)])
     c = np.full((1, 7), 0.8)
@@ -278,10 +290,12 @@ def test_dspark_and_budget_match_the_reference(seed: int) -> None:
     rng = np.random.default_rng(seed)
     c, curve = random_case(rng)
     base = int(rng.integers(0, 4))
+    plain = int(rng.integers(0, base + 1))
     np.testing.assert_array_equal(
-        select_verify_lengths(c, curve, "dspark", base_tokens=base), reference_dspark(c, curve, base)
+        select_verify_lengths(c, curve, "dspark", base_tokens=base, plain_requests=plain),
+        reference_dspark(c, curve, base, plain),
     )
-    assert dspark_budget(c, curve, base_tokens=base) == reference_budget(c, curve, base)
+    assert dspark_budget(c, curve, base, plain) == reference_budget(c, curve, base, plain)
 
 
 # --- dspark_async --------------------------------------------------------------------------
@@ -344,7 +358,7 @@ def test_async_matches_the_reference_order_at_every_budget(seed: int) -> None:
 # --- dspark's per-user objective -----------------------------------------------------------
 
 
-def reference_per_user(c: np.ndarray, sps, base_tokens: int = 0) -> np.ndarray:
+def reference_per_user(c: np.ndarray, sps, base_tokens: int = 0, plain_requests: int = 0) -> np.ndarray:
     """The per-user scan, literally: slots by log-speed gain (ties: j, then r), stop at the
     first that does not raise sum_r log(1 + A_r) + R log SPS(B)."""
     num_requests = c.shape[0]
@@ -358,12 +372,12 @@ def reference_per_user(c: np.ndarray, sps, base_tokens: int = 0) -> np.ndarray:
                 gains.append((float(np.log1p(a[r, j] / (1.0 + before))), j + 1, r))
             before += a[r, j]
     lengths = np.zeros(num_requests, dtype=np.int64)
-    batch = base_tokens + num_requests
-    best = num_requests * np.log(float(sps(batch)))
+    batch, slowed = base_tokens + num_requests, num_requests + plain_requests
+    best = slowed * np.log(float(sps(batch)))
     for _, j, r in sorted(gains, key=lambda g: (-g[0], g[1], g[2])):
         lengths[r], batch = j, batch + 1
         expected[r] += a[r, j - 1]
-        utility = np.log1p(expected).sum() + num_requests * np.log(float(sps(batch)))
+        utility = np.log1p(expected).sum() + slowed * np.log(float(sps(batch)))
         if utility <= best:
             lengths[r] = j - 1
             break
@@ -376,8 +390,9 @@ def test_per_user_objective_matches_the_reference(seed: int) -> None:
     rng = np.random.default_rng(seed)
     c, curve = random_case(rng)
     base = int(rng.integers(0, 4))
-    got = DSparkPolicy("per_user").lengths(PolicyStep(c, curve, base))
-    np.testing.assert_allclose(got, reference_per_user(c, curve, base))
+    plain = int(rng.integers(0, base + 1))
+    got = DSparkPolicy("per_user").lengths(PolicyStep(c, curve, base, plain_requests=plain))
+    np.testing.assert_allclose(got, reference_per_user(c, curve, base, plain))
 
 
 @pytest.mark.parametrize("seed", range(50))

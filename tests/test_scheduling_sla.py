@@ -14,7 +14,7 @@ TWO = SpsCurve(points=[(2, 1.0), (3, 0.9), (4, 0.8)])
 C_TWO = np.array([[0.9], [0.1]])
 
 
-def reference_sla(c: np.ndarray, sps, floors: np.ndarray, base_tokens: int = 0) -> np.ndarray:
+def reference_sla(c: np.ndarray, sps, floors: np.ndarray, base_tokens: int = 0, plain_requests: int = 0) -> np.ndarray:
     """The stopping rule of `vllm_dspark.scheduling.sla`, one candidate at a time."""
     num_requests = c.shape[0]
     a = np.cumprod(c, axis=1)
@@ -34,7 +34,7 @@ def reference_sla(c: np.ndarray, sps, floors: np.ndarray, base_tokens: int = 0) 
         planned = np.where(lengths == 0, 1.0 + a[:, 0], per_step)
         with np.errstate(divide="ignore"):
             worst = min(float(np.min(planned / floors * steps)), 1.0)
-        return per_step.sum() * steps, worst
+        return (per_step.sum() + plain_requests) * steps, worst
 
     theta, worst = evaluate(0)
     for n, (r, j, survival) in enumerate(order, start=1):
@@ -164,7 +164,8 @@ def test_sla_matches_the_loop_reference(seed: int) -> None:
     curve = SpsCurve(points=list(zip(sizes.tolist(), rng.uniform(0.3, 1.0, size=6).tolist())))
     floors = rng.uniform(0.0, 2.5, size=num_requests) * (rng.random(num_requests) < 0.8)
     base = int(rng.integers(0, 3))
+    plain = int(rng.integers(0, base + 1))
     np.testing.assert_array_equal(
-        plan_sla(c, curve, floors, base_tokens=base).lengths,
-        reference_sla(c, curve, floors, base),
+        plan_sla(c, curve, floors, base_tokens=base, plain_requests=plain).lengths,
+        reference_sla(c, curve, floors, base, plain),
     )

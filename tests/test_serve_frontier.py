@@ -162,3 +162,18 @@ def test_an_engine_starts_with_its_environment_and_the_parent_keeps_its_own(monk
     with frontier.patched_environment({"LD_PRELOAD": "", "DSPARK_TEST_ONLY": "1"}):
         assert frontier.os.environ["LD_PRELOAD"] == "" and frontier.os.environ["DSPARK_TEST_ONLY"] == "1"
     assert frontier.os.environ["LD_PRELOAD"] == "parent.so" and "DSPARK_TEST_ONLY" not in frontier.os.environ
+
+
+def test_a_commit_runs_beside_the_working_tree(tmp_path: Path):
+    """--baseline-commit: every plugin row twice, the twin with that commit's plugin first
+    on the engine's sys.path, compared with the same plain row."""
+    frontier = load_script()
+    plugin = frontier.plugin_at_commit("HEAD", tmp_path)
+    assert (plugin / "vllm_dspark" / "scheduling" / "policies.py").is_file()
+    assert (plugin / "vllm_dspark" / "kernels" / "__init__.py").is_file()
+    plan = {"no-spec": {}, "ngram-k3": {"speculative_config": {"method": "ngram"}},
+            "dspark": {"speculative_config": {"method": "vllm_dspark"}}}
+    both = frontier.with_commit(plan, "abc123", plugin)
+    assert list(both) == ["no-spec", "ngram-k3", "dspark", "dspark @ abc123"]
+    assert both["dspark @ abc123"] == plan["dspark"] | {"plugin_path": str(plugin)}
+    assert frontier.baseline_name("dspark @ abc123") == "no-spec"

@@ -173,6 +173,7 @@ class DSparkScheduler(Scheduler):
         if self.controller.policy.uses_request_floors:
             default = self.controller.options.min_tokens_per_s
             floors = np.array([request_floor(_extra_args(r), default) for r in drafting])
+        base_tokens, plain_requests = self._other_tokens()
         matches = None
         if self._ngram_matches:
             matches = np.array([self._ngram_matches.get(r.request_id, 0) for r in drafting], dtype=np.int64)
@@ -182,22 +183,23 @@ class DSparkScheduler(Scheduler):
             confidences=confidences,
             proposed=proposed,
             greedy=np.array([_is_greedy(r) for r in drafting], dtype=bool),
-            base_tokens=self._non_draft_tokens(),
+            base_tokens=base_tokens,
+            plain_requests=plain_requests,
             min_tokens_per_s=floors,
             missing=int((drafter_rows & ~found).sum()),  # n-gram rows have no drafter confidences
             ngram_matches=matches,
         )
 
-    def _non_draft_tokens(self) -> int:
-        """Prefill tokens expected in the pass besides the decoding requests' own (the policy
-        counts one per decoding request itself): chunks of running requests, plus prompts of
-        waiting requests that fit the free request slots, in the parent's admission order. An
-        estimate (prefix-cache hits and a full KV cache admit less), capped by the step's
-        token budget."""
-        prefill = sum(r.num_tokens - r.num_computed_tokens for r in self.running if not r.spec_token_ids)
+    def _other_tokens(self) -> tuple[int, int]:
+        """Tokens expected in the pass besides the drafting requests' own (the policy
+        counts one per drafting request itself), and how many of them are decoding
+        requests without drafts (`other_tokens`). The waiting prompts that fit the free
+        request slots are admitted in the parent's order: an estimate (prefix-cache hits
+        and a full KV cache admit less). Capped by the step's token budget."""
         waiting = compat.admissible_waiting(self, compat.free_request_slots(self))
-        prefill += sum(r.num_tokens - r.num_computed_tokens for r in waiting)
-        return int(min(prefill, self.max_num_scheduled_tokens))
+        tokens, plain = other_tokens([r for r in self.running if not r.spec_token_ids], waiting)
+        tokens = int(min(tokens, self.max_num_scheduled_tokens))
+        return tokens, min(plain, tokens)
 
     # ------------------------------------------------------ feedback out
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput):
@@ -252,3 +254,14 @@ def admission_device() -> torch.device | None:
     if dispatch.triton_kernels_enabled() and torch.cuda.is_initialized():
         return torch.device("cuda", torch.cuda.current_device())
     return None
+
+
+def other_tokens(running_without_drafts: list[Request], admitted: list[Request]) -> tuple[int, int]:
+    """(tokens, plain requests) the pass carries for requests that verify nothing: a
+    running request with at most one token to compute decodes it (one token it emits,
+    like a drafting request's own; the policy's throughput counts it), one with more
+    computes a prompt chunk, and an admitted waiting request its prompt."""
+    left = [max(0, r.num_tokens - r.num_computed_tokens) for r in running_without_drafts]
+    plain = sum(1 for tokens in left if tokens <= 1)
+    prefill = sum(tokens for tokens in left if tokens > 1) + sum(r.num_tokens - r.num_computed_tokens for r in admitted)
+    return prefill + plain, plain

@@ -160,8 +160,9 @@ class StepInputs:
     confidences: np.ndarray  # [R, K] conditional confidences as drafted, 0 where no draft
     proposed: np.ndarray  # [R] drafts available per request
     greedy: np.ndarray  # [R] bool: the request samples greedily
-    base_tokens: int = 0  # prefill tokens of other requests in the same pass
+    base_tokens: int = 0  # other tokens of the same pass: prefill chunks, `plain_requests`
     min_tokens_per_s: np.ndarray | None = None  # [R] per-request speed floors (sla)
+    plain_requests: int = 0  # decoding requests of the pass with no proposal (PolicyStep)
     missing: int = 0  # requests whose drafts came without confidences (rows of zeros)
     # [R] matched suffix length where the proposal is an n-gram continuation, 0 where it
     # is the drafter's (then `confidences` holds the drafter's row); None: no n-gram rows.
@@ -177,6 +178,7 @@ class VerifyDecision:
     verified: np.ndarray  # [R] drafts kept for verification
     confidences: np.ndarray  # [R, K] the confidences the policy used (after recalibration)
     base_tokens: int
+    plain_requests: int = 0
 
 
 @dataclass(frozen=True)
@@ -324,11 +326,13 @@ class VerificationController:
             # An n-gram row's confidences are its learned acceptance, not the drafter's.
             width = confidences.shape[1]
             confidences[ngram] = self.ngram.conditional(matches[ngram], step.proposed[ngram], step.greedy[ngram])[:, :width]
-        policy_step = PolicyStep(confidences, self.policy_curve, step.base_tokens, step.min_tokens_per_s)
+        policy_step = PolicyStep(confidences, self.policy_curve, step.base_tokens, step.min_tokens_per_s,
+                                 step.plain_requests)
         verified = np.minimum(decide_lengths(self.policy, policy_step), step.proposed)
         if self._verification_vetoed:  # n-gram rows on a step the check keeps plain
             verified = np.zeros_like(verified)
-        decision = VerifyDecision(step.req_ids, step.proposed, verified, confidences, step.base_tokens)
+        decision = VerifyDecision(step.req_ids, step.proposed, verified, confidences, step.base_tokens,
+                                  step.plain_requests)
         survival = np.cumprod(confidences, axis=1)
         self._track_survival(survival[~ngram], step.proposed[~ngram])
         self._decision = (decision, survival, raw, step.greedy, matches)

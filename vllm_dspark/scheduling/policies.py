@@ -10,6 +10,7 @@ loops over candidates in Python.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -41,8 +42,11 @@ class PolicyStep:
 
     confidences: np.ndarray  # [R, K] checked conditional confidences, 0 where no draft
     sps: SpsFunction
-    base_tokens: int = 0  # prefill tokens of other requests in the same pass
+    base_tokens: int = 0  # other tokens of the same pass: prefill chunks, `plain_requests`
     min_tokens_per_s: np.ndarray | None = None  # [R] per-request floors (sla), None = default
+    # Decoding requests of the same pass with nothing to verify (no proposal this step):
+    # each emits a token and is slowed by every verified draft, like the R requests here.
+    plain_requests: int = 0
 
 
 class VerifyPolicy(ABC):
@@ -176,13 +180,14 @@ class DSparkPolicy(VerifyPolicy):
             order, values = ranking.rank_by_user_gain(step.confidences)
             totals = np.r_[0.0, np.cumsum(values)]
             steps = ranking.pass_sps(step.sps, step.base_tokens + num_requests, len(values) + 1)
+            slowed = num_requests + step.plain_requests
 
             def combine(gains: np.ndarray, sps: np.ndarray) -> np.ndarray:
-                return gains + num_requests * np.log(np.maximum(sps, 1e-300))
+                return gains + slowed * np.log(np.maximum(sps, 1e-300))
         else:
             order = ranking.rank_candidates(step.confidences)
             values = order.survival
-            totals, steps = ranking.expected_throughput(order, step.sps, step.base_tokens)
+            totals, steps = ranking.expected_throughput(order, step.sps, step.base_tokens, step.plain_requests)
 
             def combine(tau: np.ndarray, sps: np.ndarray) -> np.ndarray:
                 return tau * sps
@@ -200,7 +205,7 @@ class DSparkPolicy(VerifyPolicy):
         return ranking.lengths_of_prefix(order, count)
 
 
-def dspark_budget(old_confidences: np.ndarray, sps: SpsFunction, base_tokens: int = 0) -> int:
+def dspark_budget(old_confidences: np.ndarray, sps: SpsFunction, base_tokens: int = 0, plain_requests: int = 0) -> int:
     """Total draft slots to verify, for `dspark_async`, from confidences of an earlier step.
 
     A full scan without early stop: the argmax of tau * SPS(B) over every prefix of the
@@ -212,7 +217,7 @@ def dspark_budget(old_confidences: np.ndarray, sps: SpsFunction, base_tokens: in
     c = ranking.check_confidences(old_confidences)
     if c.size == 0:
         return 0
-    tau, steps = ranking.expected_throughput(ranking.rank_candidates(c), sps, base_tokens)
+    tau, steps = ranking.expected_throughput(ranking.rank_candidates(c), sps, base_tokens, plain_requests)
     return int(np.argmax(tau * steps))
 
 
@@ -252,7 +257,7 @@ class DSparkAsyncPolicy(VerifyPolicy):
         else:
             lengths = self.admission(step.confidences, self.budget)
         if self.chained:
-            self.budget = dspark_budget(step.confidences, step.sps, step.base_tokens)
+            self.budget = dspark_budget(step.confidences, step.sps, step.base_tokens, step.plain_requests)
         return lengths
 
 
@@ -275,7 +280,8 @@ class SlaPolicy(VerifyPolicy):
         floors = self.min_tokens_per_s if step.min_tokens_per_s is None else step.min_tokens_per_s
         if floors is None:
             raise ValueError("sla policy needs min_tokens_per_s (a float or an array [R])")
-        return plan_sla(step.confidences, step.sps, floors, base_tokens=step.base_tokens).lengths
+        return plan_sla(step.confidences, step.sps, floors, base_tokens=step.base_tokens,
+                        plain_requests=step.plain_requests).lengths
 
     def min_survival(self, sps: SpsFunction, num_requests: int, block: int) -> float:
         return never_verified_below(sps, num_requests, block)
@@ -312,6 +318,7 @@ def select_verify_lengths(
     policy: str = "dspark",
     *,
     base_tokens: int = 0,
+    plain_requests: int = 0,
     **options: object,
 ) -> np.ndarray:
     """One decision of a freshly built policy: int64 [R] lengths in 0..K.
@@ -319,19 +326,22 @@ def select_verify_lengths(
     `confidences` are conditional confidences c[r, k] in [0, 1] (NaN or out-of-range values
     raise ValueError). `sps` maps batch token counts to engine steps per second, e.g. an
     `SpsCurve`. A pass carries `base_tokens` (prefill tokens of other requests) plus one
-    token per decoding request plus the verified drafts. Options per policy:
+    token per decoding request plus the verified drafts; `plain_requests` of the
+    base_tokens are decoding requests with no drafts (each emits a token). Options per policy:
     fixed: k; threshold: threshold; dspark: none; dspark_async: budget; sla:
     min_tokens_per_s.
     """
     chosen = build_policy(policy, **options)
-    return decide_lengths(chosen, PolicyStep(np.asarray(confidences), sps, base_tokens))
+    return decide_lengths(chosen, PolicyStep(np.asarray(confidences), sps, base_tokens, plain_requests=plain_requests))
 
 
 def decide_lengths(policy: VerifyPolicy, step: PolicyStep) -> np.ndarray:
     """Validate the step's inputs, then ask the policy (empty blocks verify nothing)."""
-    if step.base_tokens < 0:
-        raise ValueError(f"base_tokens must be >= 0, got {step.base_tokens}")
+    if step.base_tokens < 0 or not 0 <= step.plain_requests <= step.base_tokens:
+        raise ValueError("need 0 <= plain_requests <= base_tokens (a plain request's token is one of the "
+                         f"pass's other tokens), got base_tokens={step.base_tokens}, "
+                         f"plain_requests={step.plain_requests}")
     c = ranking.check_confidences(step.confidences)
     if c.size == 0:
         return np.zeros(c.shape[0], dtype=np.int64)
-    return policy.lengths(PolicyStep(c, step.sps, step.base_tokens, step.min_tokens_per_s))
+    return policy.lengths(dataclasses.replace(step, confidences=c))

@@ -125,17 +125,19 @@ def rank_by_user_gain(c: np.ndarray) -> tuple[Ranking, np.ndarray]:
 
 
 def expected_throughput(
-    ranking: Ranking, sps: SpsFunction, base_tokens: int
+    ranking: Ranking, sps: SpsFunction, base_tokens: int, plain_requests: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """Expected tokens per step and SPS after verifying the first n candidates, n = 0..N.
 
-    tau(n) = R + sum of the first n survivals (each request gains its bonus token), and the
-    pass carries B(n) = base_tokens + R + n tokens.
+    tau(n) = R + plain_requests + sum of the first n survivals (each request gains its
+    bonus token, and so does each decoding request of the pass with nothing to verify),
+    and the pass carries B(n) = base_tokens + R + n tokens (base_tokens counts those
+    requests' tokens).
     """
     tau = np.empty(len(ranking.survival) + 1)
     tau[0] = 0.0
     np.cumsum(ranking.survival, out=tau[1:])
-    tau += ranking.num_requests
+    tau += ranking.num_requests + plain_requests
     return tau, pass_sps(sps, base_tokens + ranking.num_requests, len(tau))
 
 

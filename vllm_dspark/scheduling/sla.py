@@ -118,8 +118,11 @@ def plan_sla(
     min_tokens_per_s: float | np.ndarray,
     *,
     base_tokens: int = 0,
+    plain_requests: int = 0,
 ) -> SlaPlan:
-    """Plan verification lengths under per-user speed floors (see the module docstring)."""
+    """Plan verification lengths under per-user speed floors (see the module docstring).
+    `plain_requests` of the `base_tokens` are decoding requests with nothing to verify:
+    their tokens count in throughput; their floors are not checked here."""
     c = check_confidences(confidences)
     num_requests, block = c.shape
     floors = _floors(min_tokens_per_s, num_requests)
@@ -130,7 +133,7 @@ def plan_sla(
     with np.errstate(divide="ignore", invalid="ignore"):
         priority = np.maximum(1.0, np.nan_to_num(floors / first_draft_speed, posinf=1e6))
     ranking = rank_candidates(c, priority)
-    tau, steps = expected_throughput(ranking, sps, base_tokens)
+    tau, steps = expected_throughput(ranking, sps, base_tokens, plain_requests)
     theta = tau * steps
     count = len(ranking.survival)
 
