@@ -277,9 +277,8 @@ def test_requests_without_a_proposal_count_as_plain_requests_of_the_pass() -> No
     steep = SpsCurve(points=[(1, 10.0), (16, 5.0)])  # a step of 8 tokens costs 1.47 of one
     ctrl = VerificationController(PluginOptions(policy="dspark", sps_table=steep.points, measure_step_overhead=False),
                                   steep, num_speculative_tokens=4)
-    alone, beside_plain = (
-        ctrl.decide(StepInputs(req_ids=("a",), confidences=row, proposed=np.array([4]), greedy=np.array([True]),
-                                       ngram_matches=np.array([5]), base_tokens=plain, plain_requests=plain))
-        for plain in (0, 7))
+    alone, beside_plain = (ctrl.decide(StepInputs(
+        req_ids=("a",), confidences=row, proposed=np.array([4]), greedy=np.array([True]), ngram_matches=np.array([5]),
+        base_tokens=plain, plain_requests=plain)) for plain in (0, 7))
     assert beside_plain.plain_requests == 7
     assert (alone.verified[0], beside_plain.verified[0]) == (3, 1)
