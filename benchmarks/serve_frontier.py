@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Callable
 from unittest import mock
 
+from vllm_dspark import METHOD
 from vllm_dspark.evaluation.dataset import default_eval_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +100,7 @@ def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str 
     proposals off, so they measure the drafter alone (fixed k=1 is the MTP-1 analogue)."""
     def dspark(model: str = drafter, hybrid_ngram: bool = False, **plugin):
         return {
-            "speculative_config": {"method": "vllm_dspark", "model": model, "num_speculative_tokens": k},
+            "speculative_config": {"method": METHOD, "model": model, "num_speculative_tokens": k},
             "additional_config": {"vllm_dspark": {"hybrid_ngram": hybrid_ngram, **plugin}},
         }
 
@@ -170,9 +171,9 @@ def with_openmp(plan: dict[str, dict], runtimes: str) -> dict[str, dict]:
 def plugin_at_commit(commit: str, into: Path) -> Path:
     """The plugin's package as of `commit` (vllm_dspark with its kernels), extracted under
     `into`: a folder that, first on sys.path, makes an engine run that commit's plugin."""
-    for folder in ("vllm_dspark", "kernels"):
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, folder], check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "vllm_dspark", "kernels"],
+                             check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     (into / "kernels").rename(into / "vllm_dspark" / "kernels")  # as setup.py installs it
     return into
 
@@ -181,7 +182,7 @@ def with_commit(plan: dict[str, dict], commit: str, plugin: Path) -> dict[str, d
     """`plan` plus, for every vllm_dspark row, the same row served by the plugin at `commit`
     (named "... @ commit"): a change and its parent side by side in one run."""
     def ours(settings: dict) -> bool:
-        return settings.get("speculative_config", {}).get("method") == "vllm_dspark"
+        return settings.get("speculative_config", {}).get("method") == METHOD
 
     def at_commit(settings: dict) -> dict:
         return settings | {"plugin_path": str(plugin)}
