@@ -364,10 +364,7 @@ def plugin_stats(llm) -> dict | None:
             "lm_head_rows": stats.lm_head_rows, "drafting_seconds": stats.drafting_seconds,
             "step_time_scale": stats.step_time_scale, "step_overhead_ms": stats.step_overhead_ms,
             "vetoed_steps": stats.vetoed_steps, "drafter_vetoed_steps": stats.drafter_vetoed_steps,
-            "drafter_skipped_steps": stats.drafter_skipped_steps,
-            # getattr: a --baseline-commit plugin may predate the per-user floor.
-            "user_floor_trimmed": getattr(stats, "user_floor_trimmed", 0),
-            "user_floor_paused_steps": getattr(stats, "user_floor_paused_steps", 0)}
+            "drafter_skipped_steps": stats.drafter_skipped_steps}
 
 
 def plugin_delta(before: dict | None, after: dict | None) -> dict:
@@ -384,8 +381,6 @@ def plugin_delta(before: dict | None, after: dict | None) -> dict:
         "steps_vetoed": (after["vetoed_steps"] - before["vetoed_steps"]) / steps,
         "steps_drafter_vetoed": (after["drafter_vetoed_steps"] - before["drafter_vetoed_steps"]) / steps,
         "steps_drafter_left_out_for_ngram": (after["drafter_skipped_steps"] - before["drafter_skipped_steps"]) / steps,
-        "steps_user_floor_paused": (after["user_floor_paused_steps"] - before["user_floor_paused_steps"]) / steps,
-        "user_floor_trimmed_per_step": (after["user_floor_trimmed"] - before["user_floor_trimmed"]) / steps,
         "mean_draft_depth": sum(d * n for d, n in enumerate(depths)) / steps,
         "lm_head_rows_per_step": (after["lm_head_rows"] - before["lm_head_rows"]) / steps,
         "drafting_ms_per_step": 1000.0 * (after["drafting_seconds"] - before["drafting_seconds"]) / steps,
@@ -459,9 +454,8 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         "| accepted length (steps with drafts) | verified drafts/step "
         "| steps without drafting (by the measured checks: all plain; drafter only) "
         "| mean draft depth | drafting ms/step "
-        "| per-user floor: drafts cut per step; steps not drafting "
         "| learned step model |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     from vllm_dspark.scheduling import SpsCurve
 
@@ -477,9 +471,8 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
             decode_ratio = f"{decode / base['decode_tok_s_per_user']:.2f}x" if base and "decode_tok_s_per_user" in base else "-"
             drafting = (f"{row['steps_without_drafting']:.0%} ({row['steps_vetoed']:.0%}; "
                         f"{row['steps_drafter_vetoed']:.0%}) | {row['mean_draft_depth']:.2f} "
-                        f"| {row['drafting_ms_per_step']:.1f} "
-                        f"| {row.get('user_floor_trimmed_per_step', 0.0):.2f}; {row.get('steps_user_floor_paused', 0.0):.0%}"
-                        if "mean_draft_depth" in row else "- | - | - | -")
+                        f"| {row['drafting_ms_per_step']:.1f}"
+                        if "mean_draft_depth" in row else "- | - | -")
             model = (f"{row['step_time_scale']:.2f} x profile {row['step_overhead_ms']:+.1f} ms"
                      if "step_time_scale" in row else "-")
             timing = f"{row['slowest_decode_tok_s']:.2f} | {row['first_token_s']:.3f}"

@@ -360,23 +360,6 @@ def test_skipping_and_early_stop_keep_greedy_outputs_exact(drafters, tiny_target
     assert counters["num_draft_tokens"] == stats.verified and counters["num_accepted_tokens"] == stats.accepted
 
 
-def test_the_per_user_floor_keeps_greedy_outputs_exact(drafters, tiny_target, baseline) -> None:
-    """With no allowance (max_user_slowdown 0) the floor cuts verification and pauses
-    drafting as soon as any request is behind plain decoding by its measured steps; what it
-    decides reads earlier steps and the drafts' confidences only, so outputs stay the
-    target's."""
-    full, _, _ = drafters
-    spec = {"method": "vllm_dspark", "model": str(full), "num_speculative_tokens": K}
-    table = [[1, 100.0], [4, 80.0], [8, 40.0], [16, 10.0]]
-    options = {"policy": "dspark", "sps_table": table, "max_user_slowdown": 0.0}
-    llm = make_llm(tiny_target, spec, {"vllm_dspark": options})
-    assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
-    stats = engine_scheduler(llm).controller.stats
-    assert stats.user_floor_trimmed + stats.user_floor_paused_steps > 0, "the floor acted"
-    counters = spec_counters(llm)
-    assert counters["num_draft_tokens"] == stats.verified and counters["num_accepted_tokens"] == stats.accepted
-
-
 def test_lean_plain_steps_change_no_draft(drafters, tiny_target, baseline) -> None:
     """Steps that draft nothing only queue their context K/V (written before the next
     draft) and, without drafts to verify, skip vLLM's rejection sampler. Two of every

@@ -269,10 +269,10 @@ def test_requests_without_a_proposal_count_as_plain_requests_of_the_pass() -> No
 
     from vllm_dspark.integration.scheduler import other_tokens
 
-    decoding = [SimpleNamespace(request_id=f"d{i}", num_tokens=40, num_computed_tokens=39) for i in range(7)]
-    prompt_chunk = SimpleNamespace(request_id="p", num_tokens=300, num_computed_tokens=100)
-    waiting = [SimpleNamespace(request_id="w", num_tokens=12, num_computed_tokens=0)]
-    assert other_tokens(decoding + [prompt_chunk], waiting) == (7 + 200 + 12, tuple(f"d{i}" for i in range(7)))
+    decoding = [SimpleNamespace(num_tokens=40, num_computed_tokens=39) for _ in range(7)]
+    prompt_chunk = SimpleNamespace(num_tokens=300, num_computed_tokens=100)
+    waiting = [SimpleNamespace(num_tokens=12, num_computed_tokens=0)]
+    assert other_tokens(decoding + [prompt_chunk], waiting) == (7 + 200 + 12, 7)
     row = hybrid.NgramConfidence(4).conditional(np.array([5]), np.array([4]), np.array([True]))  # 0.5 each
     steep = SpsCurve(points=[(1, 10.0), (16, 5.0)])  # a step of 8 tokens costs 1.47 of one
     ctrl = VerificationController(PluginOptions(policy="dspark", sps_table=steep.points, measure_step_overhead=False),

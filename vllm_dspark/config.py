@@ -229,10 +229,6 @@ class PluginOptions(BaseModel):
     # default: on SmolLM2 it changed nothing beyond the waves' spread, on code or chat at
     # R = 1, 4 or 16 (benchmarks/results/drafter_check_ab/).
     check_drafter_against_ngram: bool = False
-    # With the check: no request may decode more than this fraction slower than plain
-    # decoding over its life; a step's verification is trimmed, and drafting paused, where
-    # it would take one below (scheduling/user_floor.py). None turns the floor off.
-    max_user_slowdown: float | None = Field(default=0.03, ge=0.0, lt=1.0)
     # A step that drafts nothing queues its context K/V, written in one batch before the
     # drafter next drafts (integration/deferred_context.py); false writes it every step.
     defer_context: bool = True

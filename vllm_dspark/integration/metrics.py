@@ -58,10 +58,6 @@ def _engine_families(engine: int, stats: DSparkStats) -> list:
          stats.vetoed_steps),
         ("reference_steps", "Plain steps taken so that a load where every step verified has a plain reference",
          stats.reference_steps),
-        ("user_floor_trimmed", "Drafts cut from verification so that no request decodes slower than plain decoding "
-         "beyond its allowance", stats.user_floor_trimmed),
-        ("user_floor_paused_steps", "Steps not drafting because some request of the pass had used its allowance "
-         "against plain decoding", stats.user_floor_paused_steps),
         ("drafter_vetoed_steps", "Steps not drafting because steps with the drafter measured slower than steps "
          "with n-gram proposals alone", stats.drafter_vetoed_steps),
         ("drafter_reference_steps", "Steps not drafting so that steps with the drafter can be compared with steps "

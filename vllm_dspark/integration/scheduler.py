@@ -145,13 +145,12 @@ class DSparkScheduler(Scheduler):
         scheduled = {req_id: len(ids) for req_id, ids in output.scheduled_spec_decode_tokens.items()}
         # Tokens beyond one per running request and its drafts are prompt tokens (prefill).
         prefill = output.total_num_scheduled_tokens - len(output.num_scheduled_tokens) - sum(scheduled.values())
-        pass_ids = tuple(output.num_scheduled_tokens)
         self.controller.step_scheduled(
-            started, output.total_num_scheduled_tokens, scheduled, max(0, prefill), len(pass_ids), pass_ids
+            started, output.total_num_scheduled_tokens, scheduled, max(0, prefill), len(output.num_scheduled_tokens)
         )
         setattr(output, POINT_MASS_FIELD, frozenset(r for r in scheduled if r in self._ngram_matches))
         # How the worker drafts after this step (vLLM's dynamic speculation field).
-        plan = self.controller.plan_drafting(len(pass_ids), pass_ids)
+        plan = self.controller.plan_drafting(len(output.num_scheduled_tokens))
         output.num_spec_tokens_to_schedule = plan.depth
         setattr(output, MIN_SURVIVAL_FIELD, plan.min_survival)
         setattr(output, DRAFTER_SKIP_FIELD, plan.drafter_skip)
@@ -174,7 +173,7 @@ class DSparkScheduler(Scheduler):
         if self.controller.policy.uses_request_floors:
             default = self.controller.options.min_tokens_per_s
             floors = np.array([request_floor(_extra_args(r), default) for r in drafting])
-        base_tokens, plain_ids = self._other_tokens()
+        base_tokens, plain_requests = self._other_tokens()
         matches = None
         if self._ngram_matches:
             matches = np.array([self._ngram_matches.get(r.request_id, 0) for r in drafting], dtype=np.int64)
@@ -185,23 +184,22 @@ class DSparkScheduler(Scheduler):
             proposed=proposed,
             greedy=np.array([_is_greedy(r) for r in drafting], dtype=bool),
             base_tokens=base_tokens,
-            plain_requests=len(plain_ids),
-            plain_ids=plain_ids,
+            plain_requests=plain_requests,
             min_tokens_per_s=floors,
             missing=int((drafter_rows & ~found).sum()),  # n-gram rows have no drafter confidences
             ngram_matches=matches,
         )
 
-    def _other_tokens(self) -> tuple[int, tuple[str, ...]]:
+    def _other_tokens(self) -> tuple[int, int]:
         """Tokens expected in the pass besides the drafting requests' own (the policy
-        counts one per drafting request itself), and the decoding requests without drafts
-        among them (`other_tokens`). The waiting prompts that fit the free
+        counts one per drafting request itself), and how many of them are decoding
+        requests without drafts (`other_tokens`). The waiting prompts that fit the free
         request slots are admitted in the parent's order: an estimate (prefix-cache hits
         and a full KV cache admit less). Capped by the step's token budget."""
         waiting = compat.admissible_waiting(self, compat.free_request_slots(self))
         tokens, plain = other_tokens([r for r in self.running if not r.spec_token_ids], waiting)
         tokens = int(min(tokens, self.max_num_scheduled_tokens))
-        return tokens, plain[:tokens]
+        return tokens, min(plain, tokens)
 
     # ------------------------------------------------------ feedback out
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput):
@@ -258,12 +256,12 @@ def admission_device() -> torch.device | None:
     return None
 
 
-def other_tokens(running_without_drafts: list[Request], admitted: list[Request]) -> tuple[int, tuple[str, ...]]:
-    """(tokens, ids of the plain requests) the pass carries for requests that verify nothing: a
+def other_tokens(running_without_drafts: list[Request], admitted: list[Request]) -> tuple[int, int]:
+    """(tokens, plain requests) the pass carries for requests that verify nothing: a
     running request with at most one token to compute decodes it (one token it emits,
     like a drafting request's own; the policy's throughput counts it), one with more
     computes a prompt chunk, and an admitted waiting request its prompt."""
     left = [max(0, r.num_tokens - r.num_computed_tokens) for r in running_without_drafts]
-    plain = tuple(r.request_id for r, tokens in zip(running_without_drafts, left) if tokens <= 1)
+    plain = sum(1 for tokens in left if tokens <= 1)
     prefill = sum(tokens for tokens in left if tokens > 1) + sum(r.num_tokens - r.num_computed_tokens for r in admitted)
-    return prefill + len(plain), plain
+    return prefill + plain, plain

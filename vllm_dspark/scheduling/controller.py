@@ -48,10 +48,7 @@ The model is checked against what speculating realizes (`check_realized_speed`,
 scheduling/realized.py): at a load where recent speculative steps measured less
 per-request speed than plain steps there, on average or for some request, the controller
 neither drafts nor verifies until its probes (which go on, with the same backoff) measure
-otherwise. With the check, the per-user floor (`max_user_slowdown`, scheduling/user_floor.py)
-keeps each request's own decode within that fraction of plain decoding over its life: a
-step's verification is trimmed where some request of the pass would pay more than its
-slack, and drafting pauses while one is behind.
+otherwise.
 
 Exactness: the lengths of a step depend on that step's confidences through the policy
 (non-anticipating, DSPARK.md section 4) and on state learned from earlier steps only.
@@ -77,12 +74,11 @@ from vllm_dspark.scheduling.policies import (
     decide_lengths,
     policy_from_options,
 )
-from vllm_dspark.scheduling.ranking import SpsFunction, pass_sps
+from vllm_dspark.scheduling.ranking import SpsFunction
 from vllm_dspark.scheduling.realized import RealizedSpeed, StepRecord, load_bucket
 from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
 from vllm_dspark.scheduling.sps import SpsCurve
 from vllm_dspark.scheduling.stats import DSparkStats
-from vllm_dspark.scheduling.user_floor import UserLedger, trim_to_floor
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +167,6 @@ class StepInputs:
     # [R] matched suffix length where the proposal is an n-gram continuation, 0 where it
     # is the drafter's (then `confidences` holds the drafter's row); None: no n-gram rows.
     ngram_matches: np.ndarray | None = None
-    # The ids of the `plain_requests` (for the per-user floor; empty: not known).
-    plain_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -263,10 +257,7 @@ class VerificationController:
         # whether it blocks the next step's verification.
         checks = options.check_realized_speed and options.adaptive_drafting and can_time_steps and curve is not None
         checks_drafter = self.ngram is not None and options.check_drafter_against_ngram
-        # The per-user floor rides on the check: its ledger needs the check's plain reference.
-        self.user_ledger = (UserLedger(options.max_user_slowdown)
-                            if checks and options.max_user_slowdown is not None else None)
-        self.realized = RealizedSpeed(options.check_each_request, checks_drafter, self.user_ledger) if checks else None
+        self.realized = RealizedSpeed(options.check_each_request, checks_drafter) if checks else None
         self._drafter_reference_left = 0  # steps still to plan without the drafter for its check
         self._verification_vetoed = False
         # This step's decision with its prefix survival, raw confidences, greedy mask and
@@ -340,27 +331,12 @@ class VerificationController:
         verified = np.minimum(decide_lengths(self.policy, policy_step), step.proposed)
         if self._verification_vetoed:  # n-gram rows on a step the check keeps plain
             verified = np.zeros_like(verified)
-        survival = np.cumprod(confidences, axis=1)
-        if self.user_ledger is not None and verified.any():
-            verified = self._within_user_floor(step, verified, survival)
         decision = VerifyDecision(step.req_ids, step.proposed, verified, confidences, step.base_tokens,
                                   step.plain_requests)
+        survival = np.cumprod(confidences, axis=1)
         self._track_survival(survival[~ngram], step.proposed[~ngram])
         self._decision = (decision, survival, raw, step.greedy, matches)
         return decision
-
-    def _within_user_floor(self, step: StepInputs, verified: np.ndarray, survival: np.ndarray) -> np.ndarray:
-        """`verified` trimmed so that no request of the pass is charged beyond its slack
-        (scheduling/user_floor.py), with step times from the policies' curve."""
-        assert self.user_ledger is not None
-        base = len(step.req_ids) + step.base_tokens  # the pass verifying nothing
-        total = int(verified.sum())
-        step_s = 1.0 / np.maximum(pass_sps(self.policy_curve, base, total + 1), 1e-9)
-        plain_slack = self.user_ledger.slack(step.plain_ids).min(initial=np.inf)
-        trimmed = trim_to_floor(verified, survival, self.user_ledger.slack(step.req_ids), plain_slack,
-                                step_s - step_s[0], step_s[0])
-        self.stats.user_floor_trimmed += total - int(trimmed.sum())
-        return trimmed
 
     def step_scheduled(
         self,
@@ -369,15 +345,13 @@ class VerificationController:
         scheduled_drafts: dict[str, int] | None = None,
         prefill_tokens: int = 0,
         num_requests: int = 0,
-        pass_ids: tuple[str, ...] = (),
     ) -> None:
         """Close the step: `scheduled_drafts` (request -> drafts the engine scheduled; None =
         as decided) replaces the planned lengths, since the engine may cut drafts further
         (token budget, model length) and an unscheduled draft was never judged.
         `prefill_tokens` of the pass are prompt tokens: such a step is not timed for the
         step-time model (the profile times decode passes; see scheduling/overhead.py).
-        `num_requests` in the pass (0: unknown) keys the realized-speed check; `pass_ids`
-        are its requests (for the per-user floor's ledger; empty: not known)."""
+        `num_requests` in the pass (0: unknown) keys the realized-speed check."""
         timed = bool(total_tokens) and not prefill_tokens
         decision, self._decision = self._decision, None
         verified = np.zeros(0, dtype=np.int64)
@@ -391,11 +365,9 @@ class VerificationController:
             assert self.curve is not None
             verifies = bool(verified.sum())  # else its tokens are one per request, known now
             request_ids = decision[0].req_ids if decision is not None else ()
-            drafting = set(request_ids)
             record = StepRecord(num_requests, self.curve.step_time(num_requests), verifies,
                                 tokens=None if verifies else num_requests, request_ids=request_ids,
                                 request_tokens=None if verifies else np.ones(len(request_ids)),
-                                plain_ids=tuple(r for r in pass_ids if r not in drafting),
                                 verified_drafter=(self._checks_drafter and decision is not None
                                                   and bool(verified[matches == 0].sum())),
                                 kept_plain=self._verification_vetoed)
@@ -438,10 +410,9 @@ class VerificationController:
                 recalibrator.observe(pending.raw_confidences[rows], verified[rows], accepted[rows])
 
     # --------------------------------------------------------------- drafting
-    def plan_drafting(self, num_requests: int, request_ids: tuple[str, ...] = ()) -> DraftPlan:
-        """How deep the next step drafts for `num_requests` requests (`request_ids`, where
-        known, for the per-user floor), from past steps only (the drafts it plans do not
-        exist yet, so this cannot anticipate them)."""
+    def plan_drafting(self, num_requests: int) -> DraftPlan:
+        """How deep the next step drafts for `num_requests` requests, from past steps only
+        (the drafts it plans do not exist yet, so this cannot anticipate them)."""
         self._planned_steps += 1
         self._verification_vetoed = False
         depth = self.policy.max_draft_depth(self.block)
@@ -475,10 +446,6 @@ class VerificationController:
             self._verification_vetoed = vetoed and depth == 0
             self.stats.vetoed_steps += int(self._verification_vetoed)
             self.stats.drafter_vetoed_steps += int(drafter_vetoed and depth == 0)
-        if depth and self.user_ledger is not None and self.user_ledger.slack(request_ids).min(initial=0.0) < 0.0:
-            # Some request has used its allowance: the drafter's pass would be charged to it too.
-            depth = 0
-            self.stats.user_floor_paused_steps += 1
         self.stats.record_plan(depth)
         return DraftPlan(depth, floor if depth else 0.0, self._drafter_skip(depth))
 

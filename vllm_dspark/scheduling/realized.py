@@ -74,8 +74,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_dspark.scheduling.user_floor import UserLedger
-
 logger = logging.getLogger(__name__)
 
 # Weight of the older gains at each new speculative step of a bucket (about 100 recent
@@ -134,8 +132,6 @@ class StepRecord:
     # gains; empty where the step had none.
     request_ids: tuple[str, ...] = ()
     request_tokens: np.ndarray | None = None
-    # The pass's other decoding requests: one token each, for the per-user ledger.
-    plain_ids: tuple[str, ...] = ()
     # Some request verified the drafter's drafts, not only n-gram continuations (set where
     # the drafter is checked against them).
     verified_drafter: bool = False
@@ -244,15 +240,12 @@ class _Bucket:
 class RealizedSpeed:
     """Per-load realized gains of speculative steps over plain ones (module docstring)."""
 
-    def __init__(self, each_request: bool = True, drafter_against_ngram: bool = False,
-                 ledger: UserLedger | None = None) -> None:
+    def __init__(self, each_request: bool = True, drafter_against_ngram: bool = False) -> None:
         """`each_request`: a request whose own gains lie below 1 vetoes its load too;
-        `drafter_against_ngram`: keep the drafter's verdict (`drafter_vetoes`) too;
-        `ledger`: charge every request of each step against a plain step (user_floor.py)."""
+        `drafter_against_ngram`: keep the drafter's verdict (`drafter_vetoes`) too."""
         self._buckets: dict[int, _Bucket] = {}
         self.each_request = each_request
         self.drafter_against_ngram = drafter_against_ngram
-        self.ledger = ledger
 
     def add(self, step: StepRecord) -> None:
         """Fold a step once its time and tokens are both known (idempotent)."""
@@ -270,12 +263,8 @@ class RealizedSpeed:
             bucket.speculative_since_plain += 1
         if bucket.plain_steps == 0:
             return  # nothing to compare with yet
-        plain_step_s = bucket.reference * step.profiled_plain_s
-        token_gain = plain_step_s / step.seconds  # one token's worth
+        token_gain = bucket.reference * step.profiled_plain_s / step.seconds  # one token's worth
         gain = (step.tokens / step.requests) * token_gain
-        if self.ledger is not None and step.request_tokens is not None:
-            self.ledger.add(step.request_ids + step.plain_ids,
-                            np.r_[step.request_tokens, np.ones(len(step.plain_ids))], plain_step_s, step.seconds)
         if self.drafter_against_ngram:
             bucket.drafter.add(gain, step)
         if not (step.verified or step.drafted):

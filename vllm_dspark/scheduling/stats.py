@@ -48,10 +48,6 @@ class DSparkStats:
     drafter_reference_steps: int = 0
     # Plain steps asked for by that check because a load had no plain step to compare with.
     reference_steps: int = 0
-    # The per-user floor (scheduling/user_floor.py): drafts it cut from verification, and
-    # steps it kept from drafting because some request of the pass had used its allowance.
-    user_floor_trimmed: int = 0
-    user_floor_paused_steps: int = 0
     # The part of proposed / verified / accepted that came from n-gram lookups (hybrid).
     ngram_proposed: int = 0
     # Steps the worker left the drafter out because every request's n-gram continuation won.
@@ -104,8 +100,7 @@ class DSparkStats:
             f"{self.step_time_scale:.2f} x the SPS profile {self.step_overhead_ms:+.1f} ms, draft depth per step "
             f"{self.draft_depth_counts} (index = depth), {self.lm_head_rows} LM-head rows, "
             f"{self.drafting_seconds:.1f} s drafting, {self.vetoed_steps} steps not speculating on measured losses, "
-            f"{self.reference_steps} plain reference steps, per-user floor: {self.user_floor_trimmed} drafts cut, "
-            f"{self.user_floor_paused_steps} steps not drafting"
+            f"{self.reference_steps} plain reference steps"
             + (f", n-gram drafts proposed {self.ngram_proposed}, verified {self.ngram_verified}, "
                f"accepted {self.ngram_accepted}, drafter left out on {self.drafter_skipped_steps} steps, "
                f"not drafting on {self.drafter_vetoed_steps} steps where n-gram proposals alone measured faster "
