@@ -1,0 +1,212 @@
+"""Where a speculative engine's wave time goes, step by step, beside plain decoding.
+
+`serve_frontier.py` measures whole waves; a few percent between two engines is then hard
+to place (is every step dearer, or a few steps much dearer?). This script serves the same
+interleaved waves (`serve_frontier.run_interleaved`: every engine alive at once, the same
+prompts in every row) and times each engine step inside the engine process: the step's
+wall time (vLLM's `LLMEngine.step`: schedule, forward, sampling, drafting, output
+processing), the requests and tokens of its pass, the drafts it verified and whether the
+drafter ran in it. Steps are then grouped as
+
+- `plain`: every request of the pass decodes one token, nothing verified, no drafter pass
+  (what a plain engine's decode step is);
+- `verify`: drafts verified, no drafter pass in the step;
+- `draft`: the drafter ran (the next step's drafts), with or without verification;
+- `other`: passes with prompt tokens, and passes with fewer requests than the wave's (its
+  ramp and tail).
+
+Per engine the report gives each group's steps per wave and median step, and splits the
+wave's summed step time against the plain engine's: each group's extra time (its steps x
+(its mean step - the plain engine's mean full-load step)) and the steps saved.
+
+    python benchmarks/step_trace.py --prompts chat --concurrency 4 --repeats 10 \\
+        --only no-spec "never drafting (fixed k=0)" dspark "dspark + n-gram"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_frontier  # noqa: E402  (the sibling script: engines, waves, prompts)
+
+GROUPS = ("plain", "verify", "draft", "other")
+TRACE_DIR_VARIABLE = "VLLM_DSPARK_STEP_TRACE"  # where an engine process writes its steps
+
+
+def step_group(step: dict, requests: int) -> str:
+    """The group of one traced step (module docstring) in a wave of `requests`."""
+    prefill = step["tokens"] > step["requests"] + step["verified"]
+    if prefill or step["requests"] != requests:
+        return "other"
+    if step["drafted"]:
+        return "draft"
+    return "verify" if step["verified"] else "plain"
+
+
+def traced_serve_waves(conn, *args) -> None:
+    """`serve_frontier.serve_waves` with every engine step timed; each wave's steps go to
+    a JSON-lines file named by the engine's row (set in its environment)."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    steps: list[dict] = []
+    step = LLMEngine.step
+
+    def timed_step(engine):
+        started = time.perf_counter()
+        outputs = step(engine)
+        seconds = time.perf_counter() - started
+        core = engine.engine_core.engine_core  # in-process engine core
+        scheduled = getattr(core.scheduler, "last_traced_output", None)
+        if scheduled is not None:
+            controller = getattr(core.scheduler, "controller", None)
+            steps.append({
+                "seconds": seconds,
+                "requests": len(scheduled.num_scheduled_tokens),
+                "tokens": scheduled.total_num_scheduled_tokens,
+                "verified": sum(len(d) for d in scheduled.scheduled_spec_decode_tokens.values()),
+                # the drafter's forward pass ran in this step (depth > 0)
+                "drafted": bool(controller is not None and controller._drafted_in_step),
+            })
+            core.scheduler.last_traced_output = None
+        return outputs
+
+    LLMEngine.step = timed_step
+    _keep_scheduler_outputs()
+    out = Path(os.environ[TRACE_DIR_VARIABLE])
+
+    class TracingConnection:
+        """Writes the wave's steps beside its timing, then passes the timing on."""
+
+        def send(self, message):
+            if isinstance(message, dict) and "seconds" in message:
+                with out.open("a") as file:
+                    file.write(json.dumps({"wave_seconds": message["seconds"], "steps": steps}) + "\n")
+                steps.clear()
+            conn.send(message)
+
+        def recv(self):
+            return conn.recv()
+
+    serve_frontier.serve_waves(TracingConnection(), *args)
+
+
+def _keep_scheduler_outputs() -> None:
+    """Every scheduler keeps its last output for the step timer (the plugin's scheduler
+    calls this one and returns the same object)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    schedule = Scheduler.schedule
+
+    def kept(self, *args, **kwargs):
+        self.last_traced_output = output = schedule(self, *args, **kwargs)
+        return output
+
+    Scheduler.schedule = kept
+
+
+def summarize(waves: list[dict], requests: int) -> dict:
+    """Per group: steps per wave, median and mean step; and the summed step time per wave."""
+    grouped: dict[str, list[float]] = {group: [] for group in GROUPS}
+    for wave in waves:
+        for step in wave["steps"]:
+            grouped[step_group(step, requests)].append(step["seconds"])
+    count = max(1, len(waves))
+    return {
+        "waves": len(waves),
+        "wave_seconds": statistics.median(w["wave_seconds"] for w in waves),
+        "step_seconds_per_wave": statistics.median(sum(s["seconds"] for s in w["steps"]) for w in waves),
+        "groups": {group: {"steps_per_wave": len(times) / count,
+                           "median_s": statistics.median(times) if times else None,
+                           "mean_s": statistics.fmean(times) if times else None}
+                   for group, times in grouped.items()},
+    }
+
+
+def split_against_plain(row: dict, plain: dict) -> dict:
+    """The row's summed step time per wave minus the plain engine's, by group: each group's
+    extra time over the plain engine's mean full-load step, and the steps saved."""
+    reference = plain["groups"]["plain"]["mean_s"]
+    extra = {group: stats["steps_per_wave"] * (stats["mean_s"] - reference)
+             for group, stats in row["groups"].items() if stats["mean_s"] is not None and group != "other"}
+    other, plain_other = row["groups"]["other"], plain["groups"]["other"]
+    extra["other"] = ((other["steps_per_wave"] * (other["mean_s"] or 0.0))
+                      - (plain_other["steps_per_wave"] * (plain_other["mean_s"] or 0.0)))
+    full_load = sum(row["groups"][g]["steps_per_wave"] for g in ("plain", "verify", "draft"))
+    extra["steps saved"] = -(plain["groups"]["plain"]["steps_per_wave"] - full_load) * reference
+    return extra
+
+
+def write_report(summaries: dict[str, dict], meta: dict, out: Path) -> None:
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": summaries}, indent=1))
+    plain = summaries.get("no-spec")
+    lines = [
+        "# Step trace (real engine, CPU)",
+        "",
+        f"{meta['prompts']} prompts, R = {meta['concurrency']}, {meta['repeats']} interleaved waves of "
+        f"{meta['max_tokens']} greedy tokens per request, measured {meta['date']} on {meta['hardware']}. "
+        "Milliseconds; `plain`, `verify`, `draft` are full-load decode steps (module docstring of "
+        "`benchmarks/step_trace.py`), `other` the prefill, ramp and tail. The last columns split the row's summed "
+        "step time per wave against no-spec's: each group's steps x (its mean - no-spec's mean plain step), "
+        "`other` against no-spec's own, and the steps it saved (negative: time saved).",
+        "",
+        "| configuration | wave s | summed steps s | plain steps/wave (median ms) | verify | draft | other "
+        "| extra ms: plain | verify | draft | other | steps saved | total |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in summaries.items():
+        cells = []
+        for group in GROUPS:
+            stats = row["groups"][group]
+            median = "-" if stats["median_s"] is None else f"{1000 * stats['median_s']:.1f}"
+            cells.append(f"{stats['steps_per_wave']:.1f} ({median})")
+        split = split_against_plain(row, plain) if plain else {}
+        parts = [f"{1000 * split[k]:+.0f}" if k in split else "-" for k in (*GROUPS, "steps saved")]
+        total = f"{1000 * sum(split.values()):+.0f}" if split else "-"
+        lines.append(f"| {name} | {row['wave_seconds']:.3f} | {row['step_seconds_per_wave']:.3f} | "
+                     + " | ".join(cells) + " | " + " | ".join(parts) + f" | {total} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", required=True, help="rows of serve_frontier.configurations; include no-spec")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompts", choices=sorted(serve_frontier.PROMPT_SETS), default="chat")
+    parser.add_argument("--drafter", default=str(serve_frontier.REPO / "examples" / "drafters" / "smollm2-dspark-b7"))
+    parser.add_argument("--out", type=Path, default=serve_frontier.RESULTS / "step_trace")
+    args = parser.parse_args()
+    from vllm_dspark.scheduling.profiles import hardware_name
+    from vllm_dspark.targets.smollm2 import smollm2_checkpoint
+
+    rows = serve_frontier.configurations(args.drafter, 7)
+    traces = Path(tempfile.mkdtemp(prefix="step_trace_"))
+    plan = {name: dict(rows[name], environment={TRACE_DIR_VARIABLE: str(traces / f"{index}.jsonl")})
+            for index, name in enumerate(args.only)}
+    serve_frontier.serve_waves = traced_serve_waves  # what run_interleaved starts in each engine process
+    serve_frontier.run_interleaved(str(smollm2_checkpoint()), plan, [args.concurrency], args.max_tokens,
+                                   args.repeats, args.prompts, lambda results, curve: None)
+    summaries = {}
+    for index, name in enumerate(args.only):
+        waves = [json.loads(line) for line in (traces / f"{index}.jsonl").read_text().splitlines()]
+        summaries[name] = summarize(waves, args.concurrency)
+    meta = {"prompts": args.prompts, "concurrency": args.concurrency, "repeats": args.repeats,
+            "max_tokens": args.max_tokens, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "hardware": hardware_name()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_report(summaries, meta, args.out)
+    print(args.out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
