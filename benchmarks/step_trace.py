@@ -183,23 +183,30 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", choices=sorted(serve_frontier.PROMPT_SETS), default="chat")
     parser.add_argument("--drafter", default=str(serve_frontier.REPO / "examples" / "drafters" / "smollm2-dspark-b7"))
+    parser.add_argument("--baseline-commit", default=None,
+                        help="also run every vllm_dspark row with the plugin of this commit (as serve_frontier does)")
     parser.add_argument("--out", type=Path, default=serve_frontier.RESULTS / "step_trace")
     args = parser.parse_args()
     from vllm_dspark.scheduling.profiles import hardware_name
     from vllm_dspark.targets.smollm2 import smollm2_checkpoint
 
     rows = serve_frontier.configurations(args.drafter, 7)
+    plan = {name: rows[name] for name in args.only}
+    if args.baseline_commit:  # each plugin row beside the same row at that commit
+        plugin = serve_frontier.plugin_at_commit(args.baseline_commit, Path(tempfile.mkdtemp(prefix="vllm-dspark-baseline-")))
+        plan = serve_frontier.with_commit(plan, args.baseline_commit, plugin)
     traces = Path(tempfile.mkdtemp(prefix="step_trace_"))
-    plan = {name: dict(rows[name], environment={TRACE_DIR_VARIABLE: str(traces / f"{index}.jsonl")})
-            for index, name in enumerate(args.only)}
+    plan = {name: settings | {"environment": {TRACE_DIR_VARIABLE: str(traces / f"{index}.jsonl")}}
+            for index, (name, settings) in enumerate(plan.items())}
     serve_frontier.serve_waves = traced_serve_waves  # what run_interleaved starts in each engine process
     serve_frontier.run_interleaved(str(smollm2_checkpoint()), plan, [args.concurrency], args.max_tokens,
                                    args.repeats, args.prompts, lambda results, curve: None)
     summaries = {}
-    for index, name in enumerate(args.only):
+    for index, name in enumerate(plan):
         waves = [json.loads(line) for line in (traces / f"{index}.jsonl").read_text().splitlines()]
         summaries[name] = summarize(waves, args.concurrency)
     meta = {"prompts": args.prompts, "concurrency": args.concurrency, "repeats": args.repeats,
+            "baseline_commit": args.baseline_commit,
             "max_tokens": args.max_tokens, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "hardware": hardware_name()}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -165,3 +165,26 @@ def dflash_proposer_base() -> type:
             )
 
     return ParallelDrafterProposer
+
+
+def plain_step_context(runner: Any, drafter: Any, step: dict[str, Any]) -> ContextRows | None:
+    """The context rows of a step that verified nothing, straight from the runner's state
+    (`step`: the arguments of its `propose_draft_token_ids`): every scheduled token's
+    target states (the drafter's concatenated layers where the runner captures them), its
+    position, and its slot in the drafter's cache, which the runner already computed for
+    this step's forward pass when the drafter's layers share its cache groups. What
+    `step_context` stores, without vLLM's next-token preparation and the drafter's input
+    kernel, which only a draft needs. None where the runner has no slots for the drafter's
+    layers (the caller then takes vLLM's path)."""
+    import torch
+
+    slot_mappings, layers = step["slot_mappings"], getattr(drafter, "_draft_attn_layer_names", None)
+    layer = next(iter(layers), None) if layers else None
+    if not isinstance(slot_mappings, dict) or layer not in slot_mappings:
+        return None
+    num_tokens = step["common_attn_metadata"].num_actual_tokens
+    if runner.use_aux_hidden_state_outputs:
+        hidden = torch.cat([h[:num_tokens] for h in step["aux_hidden_states"]], dim=-1)
+    else:
+        hidden = step["hidden_states"][:num_tokens]
+    return ContextRows(hidden, runner._get_positions(num_tokens), slot_mappings[layer][:num_tokens])

@@ -12,6 +12,7 @@ method "dflash" and adds, for "vllm_dspark":
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -63,16 +64,30 @@ class DSparkProposer(dflash_proposer_base()):
         skipped, self.skip_for_ngram = self.skip_for_ngram and num_speculative_tokens > 0, False
         if skipped:
             num_speculative_tokens = 0
-        self._timer.start()
-        self._report = DraftReport(depth=num_speculative_tokens, skipped_for_ngram=skipped)
+        batch_size = kwargs["common_attn_metadata"].batch_size()
         if num_speculative_tokens == 0:
-            self._store_context(self.step_context(*args, **kwargs))
-            drafts = torch.empty(kwargs["common_attn_metadata"].batch_size(), 0, dtype=torch.int64, device=self.device)
-        else:
-            self._write_deferred_context()
-            drafts = super().propose(num_speculative_tokens, *args, **kwargs)
+            return self.propose_context_only(lambda: self.step_context(*args, **kwargs), batch_size, skipped)
+        self._timer.start()
+        self._report = DraftReport(depth=num_speculative_tokens)
+        self._write_deferred_context()
+        drafts = super().propose(num_speculative_tokens, *args, **kwargs)
         self._timer.stop()
         return drafts
+
+    @property
+    def defers_context(self) -> bool:
+        return self._deferred is not None
+
+    def propose_context_only(
+        self, context: Callable[[], ContextRows], batch_size: int, skipped_for_ngram: bool = False
+    ) -> torch.Tensor:
+        """A proposal of no drafts: the step's `context` rows are stored (queued where
+        deferred), timed and reported as a proposal of depth 0."""
+        self._timer.start()
+        self._report = DraftReport(depth=0, skipped_for_ngram=skipped_for_ngram)
+        self._store_context(context())
+        self._timer.stop()
+        return torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
 
     def _store_context(self, rows: ContextRows) -> None:
         if self._deferred is None:

@@ -52,11 +52,17 @@ reads is in `compat.py`). Each patch is idempotent and applies in every vLLM pro
    vLLM 0.32 builds it whenever speculation is configured, so such a step still ran the
    rejection sampler over zero drafts and the padded drafter inputs; now it samples and
    hands the drafter its states as the runner's plain path does (same logits rows).
+14. `GPUModelRunner.propose_draft_token_ids`, for a step that verified nothing and drafts
+   nothing with the context deferred (option `defer_context`, no async scheduling), queues
+   the step's context rows straight from the runner's state (`compat.plain_step_context`)
+   instead of running vLLM's next-token preparation and the drafter's input kernel, which
+   only a draft needs (the proposal call 0.87 -> 0.48 ms a step under cProfile, R = 4, CPU).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 from typing import TYPE_CHECKING, Literal, Optional, get_args
@@ -161,6 +167,7 @@ def _patch_model_runner() -> None:
         POINT_MASS_FIELD,
         DraftTokenIdsWithConfidence,
     )
+    from vllm_dspark.integration import compat
     from vllm_dspark.integration.proposer import DSparkProposer
     from vllm_dspark.scheduling.hybrid import lookup_continuations
 
@@ -261,10 +268,19 @@ def _patch_model_runner() -> None:
         return torch.cat(pieces, dim=0).contiguous() if pieces else None
 
     original_propose = runner_cls.propose_draft_token_ids
+    propose_signature = inspect.signature(original_propose)
 
     @functools.wraps(original_propose)
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, DSparkProposer) and drafter.is_dspark and not scheduler_output.num_spec_tokens_to_schedule:
+            step = propose_signature.bind(self, scheduler_output, *args, **kwargs).arguments
+            if step["spec_decode_metadata"] is None and drafter.defers_context and not self.use_async_scheduling:
+                # Nothing verified (so nothing rejected) and nothing to draft: queue the
+                # context rows straight from the runner's state (patch 14).
+                rows = compat.plain_step_context(self, drafter, step)
+                if rows is not None:
+                    return drafter.propose_context_only(lambda: rows, step["common_attn_metadata"].batch_size())
         if isinstance(drafter, DSparkProposer):
             # The scheduler's early-stop survival for this proposal (it travels on the
             # scheduler output; 0, no early stop, where it did not arrive).
