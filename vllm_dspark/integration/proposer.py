@@ -64,9 +64,9 @@ class DSparkProposer(dflash_proposer_base()):
         skipped, self.skip_for_ngram = self.skip_for_ngram and num_speculative_tokens > 0, False
         if skipped:
             num_speculative_tokens = 0
-        batch_size = kwargs["common_attn_metadata"].batch_size()
         if num_speculative_tokens == 0:
-            return self.propose_context_only(lambda: self.step_context(*args, **kwargs), batch_size, skipped)
+            return self.propose_context_only(lambda: self.step_context(*args, **kwargs),
+                                             kwargs["common_attn_metadata"].batch_size(), skipped)
         self._timer.start()
         self._report = DraftReport(depth=num_speculative_tokens)
         self._write_deferred_context()

@@ -273,9 +273,10 @@ def _patch_model_runner() -> None:
     @functools.wraps(original_propose)
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, DSparkProposer) and drafter.is_dspark and not scheduler_output.num_spec_tokens_to_schedule:
+        if (isinstance(drafter, DSparkProposer) and drafter.is_dspark and drafter.defers_context
+                and not scheduler_output.num_spec_tokens_to_schedule and not self.use_async_scheduling):
             step = propose_signature.bind(self, scheduler_output, *args, **kwargs).arguments
-            if step["spec_decode_metadata"] is None and drafter.defers_context and not self.use_async_scheduling:
+            if step["spec_decode_metadata"] is None:
                 # Nothing verified (so nothing rejected) and nothing to draft: queue the
                 # context rows straight from the runner's state (patch 14).
                 rows = compat.plain_step_context(self, drafter, step)
