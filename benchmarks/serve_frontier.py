@@ -16,6 +16,13 @@ and system throughput = R * max_tokens / wave time. The decode speed per user (t
 after the first over the time between first and last token, the 1/TPOT of `vllm bench
 serve`) is reported beside it: it leaves out the shared prefill.
 
+A wave makes every user wait for its slowest request, which a server under steady load
+does not: with `--requests-per-user N` each turn is instead a closed loop of R users, R
+requests in flight and each finished one replaced at once by the next prompt (the load
+`vllm bench serve --max-concurrency R` puts on a server), N x R requests a turn, and
+per-user speed is the median request's tokens over its end-to-end time (admission to
+last token, its prefill and queueing included).
+
 Prefix caching is off in every engine. Waves repeat prompts (the warm-up's first prompt,
 and a set smaller than R x repeats wraps around), so with it on a
 plain engine re-prefills only each prompt's last partial block, while vLLM drops one more
@@ -228,20 +235,48 @@ def decode_speeds(outputs) -> list[float]:
     return speeds
 
 
-def wave_timing(outputs) -> dict:
-    """What splits a wave's time: mean decode speed per user (1/TPOT), the slowest
-    request's (the wave waits for it) and the mean time to the first token."""
-    speeds = decode_speeds(outputs)
-    latencies = [o.metrics.first_token_latency for o in outputs if o.metrics is not None]
+def serve_turn(llm, conversations: list, params, concurrency: int) -> dict:
+    """Serve `conversations` with at most `concurrency` of them in flight, each finished
+    one replaced at once by the next: a closed loop of `concurrency` users, as `vllm bench
+    serve --max-concurrency` drives a server. With as many conversations as users it is a
+    wave (all admitted at once, the last to finish ends it). Returns the turn's timing:
+    wall seconds, tokens, the mean decode speed per user (1/TPOT), the slowest request's,
+    the mean time to the first token and the median request's tokens over its end-to-end
+    time (admission to last token), the per-user speed a client of a busy server sees."""
+    engine = llm.llm_engine
+    waiting = list(conversations)
+    admitted: dict[str, float] = {}  # request id -> when it was handed to the engine
+    finished, user_speeds = [], []
+
+    def admit() -> None:
+        while waiting and len(admitted) < concurrency:
+            [request_id] = llm.enqueue_chat([waiting.pop(0)], params, use_tqdm=False)
+            # The engine hands back its internal id, the LLM's counter value plus "-" and eight random
+            # characters (vLLM's assign_request_id); outputs carry the counter value.
+            admitted[request_id.split("-")[0]] = time.perf_counter()
+
+    start = time.perf_counter()
+    admit()
+    while admitted:
+        for output in engine.step():
+            if output.finished:
+                seconds = time.perf_counter() - admitted.pop(output.request_id)
+                finished.append(output)
+                user_speeds.append(len(output.outputs[0].token_ids) / seconds)
+        admit()
+    speeds = decode_speeds(finished)
+    latencies = [o.metrics.first_token_latency for o in finished if o.metrics is not None]
     nan = float("nan")
-    return {"decode": statistics.fmean(speeds) if speeds else nan, "slowest_decode": min(speeds, default=nan),
-            "first_token_s": statistics.fmean(latencies) if latencies else nan}
+    return {"seconds": time.perf_counter() - start, "tokens": sum(len(o.outputs[0].token_ids) for o in finished),
+            "decode": statistics.fmean(speeds) if speeds else nan, "slowest_decode": min(speeds, default=nan),
+            "first_token_s": statistics.fmean(latencies) if latencies else nan,
+            "median_user_tok_s": statistics.median(user_speeds)}
 
 
 def serve_waves(conn, target: str, settings: dict, max_num_seqs: int, max_tokens: int, prompt_set: str) -> None:
-    """Engine process: build the engine, warm it up, then run one wave per request on
-    `conn` (a concurrency R and the offset of its first prompt; None ends it) and answer
-    with its timing and counters."""
+    """Engine process: build the engine, warm it up, then serve one turn per message on
+    `conn` (a concurrency R, the offset of its first prompt and the requests per user;
+    None ends it) and answer with its timing and counters."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override engine_kwargs' KV cache size
     from vllm import LLM, SamplingParams
@@ -250,14 +285,10 @@ def serve_waves(conn, target: str, settings: dict, max_num_seqs: int, max_tokens
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.chat(eval_prompts(1, prompt_set), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     conn.send({"spec": spec_counters(llm), "plugin": plugin_stats(llm), "curve": engine_curve(llm)})
-    while (wave := conn.recv()) is not None:
-        r, offset = wave
-        prompts = eval_prompts(r, prompt_set, offset)  # outside the timed wave
-        start = time.perf_counter()
-        outputs = llm.chat(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        conn.send({"seconds": seconds, **wave_timing(outputs), "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-                   "spec": spec_counters(llm), "plugin": plugin_stats(llm)})
+    while (turn := conn.recv()) is not None:
+        r, offset, per_user = turn
+        prompts = eval_prompts(r * per_user, prompt_set, offset)  # outside the timed turn
+        conn.send({**serve_turn(llm, prompts, params, r), "spec": spec_counters(llm), "plugin": plugin_stats(llm)})
 
 
 def wave_order(names: list[str], repeat: int) -> list[str]:
@@ -266,9 +297,18 @@ def wave_order(names: list[str], repeat: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
-def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict) -> dict:
-    """One row of the table from a configuration's waves at concurrency r."""
+def turn_per_user_tok_s(turn: dict, max_tokens: int, requests_per_user: int) -> float:
+    """A turn's per-user speed: in a wave, max_tokens over the wave's time (every user
+    waits for the wave's last request); in a closed loop, the median request's tokens over
+    its end-to-end time."""
+    return max_tokens / turn["seconds"] if requests_per_user == 1 else turn["median_user_tok_s"]
+
+
+def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict, requests_per_user: int = 1) -> dict:
+    """One row of the table from a configuration's turns (waves or closed loops) at
+    concurrency r."""
     seconds = [w["seconds"] for w in waves]
+    per_user = [turn_per_user_tok_s(w, max_tokens, requests_per_user) for w in waves]
     wave = statistics.median(seconds)
     after = waves[-1]
     delta = {key: after["spec"].get(key, 0) - before["spec"].get(key, 0) for key in ("num_drafts", "num_accepted_tokens", "num_draft_tokens")}
@@ -277,14 +317,15 @@ def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict) ->
         "concurrency": r,
         "wave_seconds": wave,
         "throughput_tok_s": waves[0]["tokens"] / wave,
-        "per_user_tok_s": max_tokens / wave,
+        "per_user_tok_s": statistics.median(per_user),
         "decode_tok_s_per_user": statistics.median(w["decode"] for w in waves),
         "slowest_decode_tok_s": statistics.median(w["slowest_decode"] for w in waves),
         "first_token_s": statistics.median(w["first_token_s"] for w in waves),
         "verified_drafts_per_step": delta["num_draft_tokens"] / drafts if drafts else 0.0,
         "accepted_length": 1.0 + delta["num_accepted_tokens"] / drafts if drafts else 1.0,
-        "wave_spread_seconds": [min(seconds), max(seconds)],
-        "waves_seconds": seconds,  # in repeat order: wave i of every row served the same prompts
+        "per_user_spread": [min(per_user), max(per_user)],
+        "waves_seconds": seconds,
+        "turns_per_user_tok_s": per_user,  # in repeat order: turn i of every row served the same prompts
         "tokens": sum(w["tokens"] for w in waves),
         "draft_tokens": delta["num_draft_tokens"],
         **plugin_delta(before["plugin"], after["plugin"]),
@@ -292,8 +333,10 @@ def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict) ->
 
 
 def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], max_tokens: int, repeats: int,
-                    prompt_set: str, measured: Callable[[dict[str, list[dict]], list | None], None]) -> None:
-    """Every configuration's engine alive at once; waves taken in turn. After each
+                    prompt_set: str, measured: Callable[[dict[str, list[dict]], list | None], None],
+                    requests_per_user: int = 1) -> None:
+    """Every configuration's engine alive at once; turns (waves, or closed loops of
+    `requests_per_user` requests per user) taken in turn. After each
     concurrency, `measured` gets the rows so far and the SPS curve the plugin's engines
     used (None if none used one), so a run cut short (at R = 64 seven engines can exhaust
     the machine's memory) keeps what it measured."""
@@ -319,12 +362,13 @@ def run_interleaved(target: str, plan: dict[str, dict], concurrency: list[int], 
             for repeat in range(repeats):
                 for name in wave_order(list(plan), repeat):
                     process, conn, _ = engines[name]
-                    conn.send((r, repeat * r))  # every repeat its own prompts, the same for every row
+                    # every repeat its own prompts, the same for every row
+                    conn.send((r, repeat * r * requests_per_user, requests_per_user))
                     waves[name].append(conn.recv())
             for name in plan:
                 process, conn, _ = engines[name]
                 engines[name] = (process, conn, waves[name][-1])
-                row = summarize_waves(r, max_tokens, waves[name], before[name])
+                row = summarize_waves(r, max_tokens, waves[name], before[name], requests_per_user)
                 results[name].append(row)
                 print(f"  {name}, R={r:3d}: {row['throughput_tok_s']:7.1f} tok/s total, {row['per_user_tok_s']:6.2f} "
                       f"tok/s per user, {row['decode_tok_s_per_user']:6.2f} decode tok/s per user", flush=True)
@@ -411,11 +455,11 @@ def predicted_speedup(row: dict, curve) -> float | None:
 
 def paired_speedup(row: dict, base: dict) -> str:
     """Median and quartiles over repeats of the per-user speed-up against the base row's
-    wave of the same repeat (the same prompts): with each repeat serving other prompts,
-    this pairs away how hard each wave's prompts are, which the ratio of medians keeps."""
-    if "waves_seconds" not in row or "waves_seconds" not in base:
+    turn of the same repeat (the same prompts): with each repeat serving other prompts,
+    this pairs away how hard each turn's prompts are, which the ratio of medians keeps."""
+    if "turns_per_user_tok_s" not in row or "turns_per_user_tok_s" not in base:
         return "-"
-    ratios = [theirs / ours for ours, theirs in zip(row["waves_seconds"], base["waves_seconds"])]
+    ratios = [ours / theirs for ours, theirs in zip(row["turns_per_user_tok_s"], base["turns_per_user_tok_s"])]
     if len(ratios) < 2:
         return f"{ratios[0]:.2f}x" if ratios else "-"
     low, _, high = statistics.quantiles(ratios, n=4)
@@ -431,11 +475,14 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         f"Target {meta['target']}, drafter {meta['drafter']}, K = {meta['k']}, {meta['max_tokens']} output "
         f"tokens per request (greedy, ignore_eos), {meta.get('prompt_set', 'mixed')} prompts "
         f"({', '.join(PROMPT_SETS[meta.get('prompt_set', 'mixed')])}), prefix caching off, "
-        f"median wave of {meta.get('repeats', 1)}. "
-        f"Measured {meta['date']} on {meta['hardware']}"
+        + (f"median wave of {meta.get('repeats', 1)}. " if meta.get("requests_per_user", 1) == 1 else
+           f"closed loop: R requests in flight, each finished one replaced at once ({meta['requests_per_user']} "
+           f"requests per user a turn, `vllm bench serve --max-concurrency R`'s load), median turn of "
+           f"{meta.get('repeats', 1)}; per-user tok/s is the median request's tokens over its end-to-end time. ")
+        + f"Measured {meta['date']} on {meta['hardware']}"
         + (f", OpenMP runtime: {meta['openmp']}" if meta.get("openmp") else "")
         + "; machine shared with other jobs, so compare "
-        "rows within one run (waves interleaved across configurations). `dspark, drafting all K` is the dspark policy with `adaptive_drafting: false` "
+        "rows within one run (turns interleaved across configurations). `dspark, drafting all K` is the dspark policy with `adaptive_drafting: false` "
         "(the lever A/B)"
         + (f"; `reduced vocabulary` rows serve the same drafter with its LM head cut to {meta['reduced_vocab']} tokens "
            "(`vllm-dspark reduce-vocab`)" if meta.get("reduced_vocab") else "")
@@ -446,10 +493,11 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         "(tokens per request per step x T(R) / T(R + verified drafts per step)); the gap to the measured "
         "one is what drafting and the speculative path's other costs take. A wave lasts its mean time to the first "
         "token plus its slowest request's decode, so a speculative row whose requests decode at unequal "
-        "speeds can lose per user while its mean decode speed gains. `paired` is the median (quartiles) over "
-        "repeats of each wave's speed-up against no-spec's wave of the same repeat, which served the same prompts.",
+        "speeds can lose per user while its mean decode speed gains (a closed loop replaces a finished request "
+        "at once, so no one waits for the slowest). `paired` is the median (quartiles) over "
+        "repeats of each turn's speed-up against no-spec's turn of the same repeat, which served the same prompts.",
         "",
-        "| configuration | R | system tok/s | per-user tok/s (min-max wave) | vs no-spec | paired (quartiles) | predicted | decode tok/s per user | vs no-spec "
+        "| configuration | R | system tok/s | per-user tok/s (min-max turn) | vs no-spec | paired (quartiles) | predicted | decode tok/s per user | vs no-spec "
         "| slowest request's decode tok/s | first token s "
         "| accepted length (steps with drafts) | verified drafts/step "
         "| steps without drafting (by the measured checks: all plain; drafter only) "
@@ -463,7 +511,7 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
     for name, rows in results.items():
         plain = {row["concurrency"]: row for row in results.get(baseline_name(name), [])}
         for row in rows:
-            fastest, slowest = (meta["max_tokens"] / w for w in row["wave_spread_seconds"])
+            slowest, fastest = row["per_user_spread"]
             base = plain.get(row["concurrency"])
             ratio = f"{row['per_user_tok_s'] / base['per_user_tok_s']:.2f}x" if base else "-"
             paired = paired_speedup(row, base) if base else "-"
@@ -510,7 +558,10 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=7)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=3, help="waves per concurrency; the median is reported")
+    parser.add_argument("--repeats", type=int, default=3, help="turns per concurrency; the median is reported")
+    parser.add_argument("--requests-per-user", type=int, default=1,
+                        help="1: a turn is a wave of R requests at once; N > 1: a closed loop of R users serving "
+                             "N x R requests, each finished request replaced at once")
     parser.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="mixed", help="eval prompt set")
     parser.add_argument("--only", nargs="+", default=None, help="run only these configurations")
     parser.add_argument("--sps-profile", default=None,
@@ -545,6 +596,7 @@ def main() -> int:
         "k": args.k,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
+        "requests_per_user": args.requests_per_user,
         "prompt_set": args.prompts,
         "sps_source": args.sps_profile or "each engine's start-up profile (cached, the out-of-the-box default)",
         "reduced_drafter": args.reduced_drafter,
@@ -561,7 +613,8 @@ def main() -> int:
         write_results(results, meta | {"sps": sps}, args.out)
         print(f"wrote {args.out.with_suffix('.md')}", flush=True)
 
-    run_interleaved(target, plan, args.concurrency, args.max_tokens, args.repeats, args.prompts, measured)
+    run_interleaved(target, plan, args.concurrency, args.max_tokens, args.repeats, args.prompts, measured,
+                    args.requests_per_user)
     return 0
 
 

@@ -42,12 +42,12 @@ def test_configurations_are_valid_plugin_settings():
 def test_report_has_every_row(tmp_path: Path):
     frontier = load_script()
     row = {"concurrency": 4, "wave_seconds": 2.0, "throughput_tok_s": 96.0, "per_user_tok_s": 24.0,
-           "decode_tok_s_per_user": 30.0, "slowest_decode_tok_s": 29.0, "first_token_s": 0.25, "verified_drafts_per_step": 3.0, "accepted_length": 1.5, "wave_spread_seconds": [1.92, 2.4],
-           "waves_seconds": [2.0, 1.92, 2.4]}
+           "decode_tok_s_per_user": 30.0, "slowest_decode_tok_s": 29.0, "first_token_s": 0.25, "verified_drafts_per_step": 3.0, "accepted_length": 1.5, "per_user_spread": [20.0, 25.0],
+           "turns_per_user_tok_s": [24.0, 25.0, 20.0]}
     drafted = {**row, "per_user_tok_s": 12.0, "decode_tok_s_per_user": 45.0, "steps_without_drafting": 0.5, "mean_draft_depth": 1.25,
                "drafting_ms_per_step": 3.5, "steps_vetoed": 0.25, "steps_drafter_vetoed": 0.125, "engine_steps": 32, "tokens": 192, "draft_tokens": 96,
                "step_time_scale": 1.25, "step_overhead_ms": -4.0,
-               "waves_seconds": [4.0, 1.92, 3.2]}  # paired speed-ups 0.5, 1.0, 0.75
+               "turns_per_user_tok_s": [12.0, 25.0, 15.0]}  # paired speed-ups 0.5, 1.0, 0.75
     results = {"no-spec": [row], "dspark": [drafted]}
     # Step times 0.1 s at B = 1 and 0.2 s at B = 8: 1.5 tokens per request per step with 3
     # drafts per step predict 1.5 * T(4) / T(7) = 1.5 * (1 + 3/7) / (1 + 6/7) = 1.15x.
@@ -87,7 +87,58 @@ def test_waves_are_interleaved_in_rotating_order():
     row = frontier.summarize_waves(1, 64, waves, before)
     assert row["wave_seconds"] == 3.0 and row["per_user_tok_s"] == 64 / 3.0 and row["decode_tok_s_per_user"] == 8.0
     assert row["accepted_length"] == 1.0 + 20 / 20 and row["verified_drafts_per_step"] == 2.0
-    assert row["wave_spread_seconds"] == [2.0, 4.0]
+    assert row["per_user_spread"] == [16.0, 32.0] and row["turns_per_user_tok_s"] == [32.0, 16.0, 64 / 3.0]
+    # a closed loop's turns are rated by their median request, not by their wall time
+    loops = [wave | {"median_user_tok_s": speed} for wave, speed in zip(waves, (20.0, 30.0, 10.0))]
+    assert frontier.summarize_waves(1, 64, loops, before, requests_per_user=3)["per_user_tok_s"] == 20.0
+
+
+class FakeLLM:
+    """An engine whose request i finishes after `lengths[i]` steps, one token a step: what
+    `serve_turn` needs of vLLM's LLM (enqueue_chat, llm_engine.step)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths, self.running, self.counter, self.most_in_flight = lengths, {}, 0, 0
+        self.llm_engine = self
+
+    def enqueue_chat(self, conversations, params, use_tqdm):
+        [conversation] = conversations
+        request_id = str(self.counter)
+        self.counter += 1
+        self.running[request_id] = [self.lengths[conversation], 0]
+        self.most_in_flight = max(self.most_in_flight, len(self.running))
+        return [f"{request_id}-a1b2c3d4"]  # vLLM's internal id: the counter plus a random suffix
+
+    def step(self):
+        from types import SimpleNamespace
+
+        outputs = []
+        for request_id, progress in list(self.running.items()):
+            progress[1] += 1
+            finished = progress[1] == progress[0]
+            if finished:
+                del self.running[request_id]
+            metrics = SimpleNamespace(first_token_ts=0.0, last_token_ts=float(progress[1]), first_token_latency=0.5)
+            outputs.append(SimpleNamespace(request_id=request_id, finished=finished, metrics=metrics,
+                                           outputs=[SimpleNamespace(token_ids=[0] * progress[1])]))
+        return outputs
+
+
+def test_a_closed_loop_replaces_each_finished_request_at_once():
+    frontier = load_script()
+    lengths = [2, 8, 2, 2, 2, 2]  # request 1 is slow: the others pass it by
+    llm = FakeLLM(lengths)
+    turn = frontier.serve_turn(llm, list(range(6)), params=None, concurrency=2)
+    assert llm.most_in_flight == 2 and llm.counter == 6 and not llm.running
+    assert turn["tokens"] == sum(lengths)
+    # a fake request's decode speed is (tokens - 1) / its steps: 1/2 for the short ones, 7/8 for request 1
+    assert turn["median_user_tok_s"] > 0 and turn["first_token_s"] == 0.5
+    assert turn["decode"] == pytest.approx((5 * 0.5 + 7 / 8) / 6)
+    assert turn["slowest_decode"] == pytest.approx(0.5)
+    # a wave of the same six requests keeps them all in flight
+    wave = FakeLLM(lengths)
+    frontier.serve_turn(wave, list(range(6)), params=None, concurrency=6)
+    assert wave.most_in_flight == 6
 
 
 def load_breakdown(monkeypatch):
