@@ -19,9 +19,10 @@ serve`) is reported beside it: it leaves out the shared prefill.
 A wave makes every user wait for its slowest request, which a server under steady load
 does not: with `--requests-per-user N` each turn is instead a closed loop of R users, R
 requests in flight and each finished one replaced at once by the next prompt (the load
-`vllm bench serve --max-concurrency R` puts on a server), N x R requests a turn, and
-per-user speed is the median request's tokens over its end-to-end time (admission to
-last token, its prefill and queueing included).
+`vllm bench serve --max-concurrency R` puts on a server), N x R requests a turn, output
+lengths spread over max_tokens / 2 .. 3 max_tokens / 2 (fixed per prompt), and per-user
+speed is the median request's tokens over its end-to-end time (admission to last token,
+its prefill and queueing included).
 
 Prefix caching is off in every engine. Waves repeat prompts (the warm-up's first prompt,
 and a set smaller than R x repeats wraps around), so with it on a
@@ -48,6 +49,7 @@ import functools
 import json
 import multiprocessing
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -235,22 +237,35 @@ def decode_speeds(outputs) -> list[float]:
     return speeds
 
 
-def serve_turn(llm, conversations: list, params, concurrency: int) -> dict:
-    """Serve `conversations` with at most `concurrency` of them in flight, each finished
-    one replaced at once by the next: a closed loop of `concurrency` users, as `vllm bench
-    serve --max-concurrency` drives a server. With as many conversations as users it is a
-    wave (all admitted at once, the last to finish ends it). Returns the turn's timing:
+def output_lengths(max_tokens: int, count: int, offset: int, varied: bool) -> list[int]:
+    """Output tokens of the prompts offset .. offset + count - 1: max_tokens each in a
+    wave; in a closed loop spread evenly over max_tokens / 2 .. 3 max_tokens / 2 and fixed
+    per prompt (the same in every row). Equal lengths would keep a plain engine's requests
+    in lockstep, every prefill at once, while a speculative engine's drift apart and mix
+    their prefills into decode steps, which on a CPU alone makes its steps fuller."""
+    if not varied:
+        return [max_tokens] * count
+    return [random.Random(index).randint(max_tokens // 2, max_tokens * 3 // 2) for index in range(offset, offset + count)]
+
+
+def serve_turn(llm, requests: list[tuple[list, object]], concurrency: int) -> dict:
+    """Serve `requests` (conversation, sampling parameters) with at most `concurrency` of
+    them in flight, each finished one replaced at once by the next: a closed loop of
+    `concurrency` users, as `vllm bench serve --max-concurrency` drives a server. With as
+    many requests as users it is a wave (all admitted at once, the last to finish ends
+    it). Returns the turn's timing:
     wall seconds, tokens, the mean decode speed per user (1/TPOT), the slowest request's,
     the mean time to the first token and the median request's tokens over its end-to-end
     time (admission to last token), the per-user speed a client of a busy server sees."""
     engine = llm.llm_engine
-    waiting = list(conversations)
+    waiting = list(requests)
     admitted: dict[str, float] = {}  # request id -> when it was handed to the engine
     finished, user_speeds = [], []
 
     def admit() -> None:
         while waiting and len(admitted) < concurrency:
-            [request_id] = llm.enqueue_chat([waiting.pop(0)], params, use_tqdm=False)
+            conversation, params = waiting.pop(0)
+            [request_id] = llm.enqueue_chat([conversation], params, use_tqdm=False)
             # The engine hands back its internal id, the LLM's counter value plus "-" and eight random
             # characters (vLLM's assign_request_id); outputs carry the counter value.
             admitted[request_id.split("-")[0]] = time.perf_counter()
@@ -282,13 +297,15 @@ def serve_waves(conn, target: str, settings: dict, max_num_seqs: int, max_tokens
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=target, **(engine_kwargs(max_num_seqs) | settings))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.chat(eval_prompts(1, prompt_set), SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     conn.send({"spec": spec_counters(llm), "plugin": plugin_stats(llm), "curve": engine_curve(llm)})
     while (turn := conn.recv()) is not None:
         r, offset, per_user = turn
         prompts = eval_prompts(r * per_user, prompt_set, offset)  # outside the timed turn
-        conn.send({**serve_turn(llm, prompts, params, r), "spec": spec_counters(llm), "plugin": plugin_stats(llm)})
+        lengths = output_lengths(max_tokens, r * per_user, offset, varied=per_user > 1)
+        requests = [(prompt, SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True))
+                    for prompt, length in zip(prompts, lengths)]
+        conn.send({**serve_turn(llm, requests, r), "spec": spec_counters(llm), "plugin": plugin_stats(llm)})
 
 
 def wave_order(names: list[str], repeat: int) -> list[str]:
@@ -316,7 +333,7 @@ def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict, re
     return {
         "concurrency": r,
         "wave_seconds": wave,
-        "throughput_tok_s": waves[0]["tokens"] / wave,
+        "throughput_tok_s": statistics.median(w["tokens"] / w["seconds"] for w in waves),
         "per_user_tok_s": statistics.median(per_user),
         "decode_tok_s_per_user": statistics.median(w["decode"] for w in waves),
         "slowest_decode_tok_s": statistics.median(w["slowest_decode"] for w in waves),
@@ -477,7 +494,8 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         f"({', '.join(PROMPT_SETS[meta.get('prompt_set', 'mixed')])}), prefix caching off, "
         + (f"median wave of {meta.get('repeats', 1)}. " if meta.get("requests_per_user", 1) == 1 else
            f"closed loop: R requests in flight, each finished one replaced at once ({meta['requests_per_user']} "
-           f"requests per user a turn, `vllm bench serve --max-concurrency R`'s load), median turn of "
+           f"requests per user a turn, `vllm bench serve --max-concurrency R`'s load; output lengths spread evenly "
+           f"over half to 1.5 times that, fixed per prompt), median turn of "
            f"{meta.get('repeats', 1)}; per-user tok/s is the median request's tokens over its end-to-end time. ")
         + f"Measured {meta['date']} on {meta['hardware']}"
         + (f", OpenMP runtime: {meta['openmp']}" if meta.get("openmp") else "")
@@ -575,6 +593,8 @@ def main() -> int:
                         help="also run every vllm_dspark row with the plugin as of this git commit (A/B of a change)")
     parser.add_argument("--out", type=Path, default=RESULTS / "serve_frontier")
     args = parser.parse_args()
+    if args.requests_per_user < 1:
+        parser.error("--requests-per-user must be at least 1")
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm_dspark.scheduling.profiles import hardware_name

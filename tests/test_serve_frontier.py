@@ -93,6 +93,15 @@ def test_waves_are_interleaved_in_rotating_order():
     assert frontier.summarize_waves(1, 64, loops, before, requests_per_user=3)["per_user_tok_s"] == 20.0
 
 
+def test_closed_loops_vary_output_lengths_per_prompt():
+    frontier = load_script()
+    assert frontier.output_lengths(64, 3, 10, varied=False) == [64, 64, 64]
+    lengths = frontier.output_lengths(64, 200, 0, varied=True)
+    assert min(lengths) >= 32 and max(lengths) <= 96 and len(set(lengths)) > 20
+    assert 56 <= sum(lengths) / len(lengths) <= 72  # about max_tokens on average
+    assert frontier.output_lengths(64, 5, 3, varied=True) == lengths[3:8]  # a prompt's length is its own
+
+
 class FakeLLM:
     """An engine whose request i finishes after `lengths[i]` steps, one token a step: what
     `serve_turn` needs of vLLM's LLM (enqueue_chat, llm_engine.step)."""
@@ -103,6 +112,7 @@ class FakeLLM:
 
     def enqueue_chat(self, conversations, params, use_tqdm):
         [conversation] = conversations
+        assert params == ("params of", conversation)
         request_id = str(self.counter)
         self.counter += 1
         self.running[request_id] = [self.lengths[conversation], 0]
@@ -128,7 +138,7 @@ def test_a_closed_loop_replaces_each_finished_request_at_once():
     frontier = load_script()
     lengths = [2, 8, 2, 2, 2, 2]  # request 1 is slow: the others pass it by
     llm = FakeLLM(lengths)
-    turn = frontier.serve_turn(llm, list(range(6)), params=None, concurrency=2)
+    turn = frontier.serve_turn(llm, [(i, ("params of", i)) for i in range(6)], concurrency=2)
     assert llm.most_in_flight == 2 and llm.counter == 6 and not llm.running
     assert turn["tokens"] == sum(lengths)
     # a fake request's decode speed is (tokens - 1) / its steps: 1/2 for the short ones, 7/8 for request 1
@@ -137,7 +147,7 @@ def test_a_closed_loop_replaces_each_finished_request_at_once():
     assert turn["slowest_decode"] == pytest.approx(0.5)
     # a wave of the same six requests keeps them all in flight
     wave = FakeLLM(lengths)
-    frontier.serve_turn(wave, list(range(6)), params=None, concurrency=6)
+    frontier.serve_turn(wave, [(i, ("params of", i)) for i in range(6)], concurrency=6)
     assert wave.most_in_flight == 6
 
 
