@@ -253,10 +253,10 @@ def serve_turn(llm, requests: list[tuple[list, object]], concurrency: int) -> di
     them in flight, each finished one replaced at once by the next: a closed loop of
     `concurrency` users, as `vllm bench serve --max-concurrency` drives a server. With as
     many requests as users it is a wave (all admitted at once, the last to finish ends
-    it). Returns the turn's timing:
-    wall seconds, tokens, the mean decode speed per user (1/TPOT), the slowest request's,
-    the mean time to the first token and the median request's tokens over its end-to-end
-    time (admission to last token), the per-user speed a client of a busy server sees."""
+    it). Returns the turn's timing: wall seconds, tokens, the mean decode speed per user
+    (1/TPOT), the slowest request's, the mean time to the first token and the median
+    request's tokens over its end-to-end time (admission to last token), the per-user
+    speed a client of a busy server sees."""
     engine = llm.llm_engine
     waiting = list(requests)
     admitted: dict[str, float] = {}  # request id -> when it was handed to the engine
