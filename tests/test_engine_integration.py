@@ -362,8 +362,11 @@ def test_hybrid_proposals_keep_greedy_outputs_and_are_counted_by_source(tiny_tar
     controller = engine_scheduler(llm).controller
     if drafting == "never-drafting":
         controller.plan_drafting = lambda num_requests: DraftPlan(0, 0.0)
-    elif drafting == "drafter-left-out-for-ngram":  # any continuation beats the drafter
-        controller._drafter_skip = lambda depth: hybrid.DrafterSkip(np.ones((2, hybrid.MATCH_BUCKETS, 7)), -1.0)
+    elif drafting == "drafter-left-out-for-ngram":
+        # Any continuation beats the drafter's 0.5 expected drafts, which pay for its pass
+        # (0.1 ms on a 10 ms step) only where some request has none.
+        controller._drafter_skip = lambda num_requests, depth: hybrid.DrafterSkip(
+            np.ones((2, hybrid.MATCH_BUCKETS, 7)), depth, np.array([0.5]), np.full(1, 0.01), 1e-4)
     assert generate_ids(llm, REPEATING, MAX_TOKENS) == plain
     stats = controller.stats
     counters = spec_counters(llm)
@@ -410,7 +413,8 @@ def test_continuations_found_before_drafting_equal_those_after_bookkeeping(tiny_
     llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": {"policy": "fixed", "hybrid_ngram": True}})
     from vllm_dspark.scheduling import hybrid
 
-    engine_scheduler(llm).controller._drafter_skip = lambda depth: hybrid.DrafterSkip(np.ones((2, hybrid.MATCH_BUCKETS, 7)), 1e9)
+    engine_scheduler(llm).controller._drafter_skip = lambda num_requests, depth: hybrid.DrafterSkip(
+        np.ones((2, hybrid.MATCH_BUCKETS, 7)), depth, np.array([1e9]), np.full(1, 0.01), 0.0)
     generate_ids(llm, REPEATING, MAX_TOKENS)
     assert len(found) > 5 and len(found) == len(handed)
     for ours, theirs in zip(found, handed):

@@ -9,7 +9,7 @@ import pytest
 from tests.test_scheduling_exactness import CHI2_1DOF_P001, TARGET, chi_square
 from vllm_dspark.config import PluginOptions
 from vllm_dspark.scheduling import hybrid
-from vllm_dspark.scheduling.controller import StepInputs, VerificationController
+from vllm_dspark.scheduling.controller import PROBE_INTERVAL, StepInputs, VerificationController
 from vllm_dspark.scheduling.sps import SpsCurve
 
 
@@ -191,21 +191,43 @@ def learned_table(ctrl: VerificationController, match: int, accepted_of_4: int, 
         ctrl.ngram.observe(np.array([match]), np.array([True]), np.array([4]), np.array([accepted_of_4]))
 
 
-def test_drafter_skip_needs_every_request_ahead_of_the_drafter() -> None:
+def skip_rule(drafter_expected, drafting_seconds: float, pass_seconds=None) -> hybrid.DrafterSkip:
+    """A skip rule at depth 4 over a table that expects 3.1 drafts of greedy long matches
+    (0.9 each) and 0.43 of greedy short ones (0.3 each); a free verification by default."""
     table = np.zeros((2, hybrid.MATCH_BUCKETS, 4))
-    table[0, hybrid.match_buckets(6)] = 0.9  # greedy, long matches: 0.9 + 0.81 + ... = 3.1 expected
-    table[0, hybrid.match_buckets(2)] = 0.3  # greedy, short matches: about 0.43
-    skip = hybrid.DrafterSkip(table, drafter_expected=1.0)
-    assert skip.possible()
-    greedy = np.array([True, True])
-    long_both = hybrid.NgramProposals(np.ones((2, 4), dtype=np.int64), np.array([4, 4]), np.array([6, 7]))
-    assert skip.applies(long_both, greedy)
-    one_short = hybrid.NgramProposals(np.ones((2, 4), dtype=np.int64), np.array([4, 4]), np.array([6, 2]))
-    assert not skip.applies(one_short, greedy), "the drafter still serves the short match's request"
-    one_missing = hybrid.NgramProposals(np.ones((2, 4), dtype=np.int64), np.array([4, 0]), np.array([6, 0]))
-    assert not skip.applies(one_missing, greedy)
-    assert not skip.applies(long_both, np.array([True, False])), "sampled rows have their own (zero) table"
-    assert not hybrid.DrafterSkip(table, drafter_expected=3.5).possible()
+    table[0, hybrid.match_buckets(6)] = 0.9
+    table[0, hybrid.match_buckets(2)] = 0.3
+    pass_seconds = np.full(9, 0.04) if pass_seconds is None else pass_seconds
+    return hybrid.DrafterSkip(table, 4, np.asarray(drafter_expected, dtype=np.float64), pass_seconds, drafting_seconds)
+
+
+GREEDY = np.array([True, True])
+LONG_BOTH = hybrid.NgramProposals(np.ones((2, 4), dtype=np.int64), np.array([4, 4]), np.array([6, 7]))
+ONE_SHORT = hybrid.NgramProposals(np.ones((2, 4), dtype=np.int64), np.array([4, 4]), np.array([6, 2]))
+ONE_MISSING = hybrid.NgramProposals(np.ones((2, 4), dtype=np.int64), np.array([4, 0]), np.array([6, 0]))
+
+
+def test_drafter_skip_weighs_the_drafters_tokens_against_its_seconds() -> None:
+    # Continuations that beat the drafter everywhere: drafting would only cost.
+    assert skip_rule([1.0], drafting_seconds=0.001).applies(LONG_BOTH, GREEDY)
+    # The short match's request gains 0.57 expected drafts from the drafter (1.0 against
+    # 0.43): worth 1 ms of drafting on a 40 ms pass, not 7 ms.
+    assert not skip_rule([1.0], drafting_seconds=0.001).applies(ONE_SHORT, GREEDY)
+    assert skip_rule([1.0], drafting_seconds=0.007).applies(ONE_SHORT, GREEDY)
+    # Without a continuation the drafter's whole block is the gain.
+    assert not skip_rule([1.0], drafting_seconds=0.004).applies(ONE_MISSING, GREEDY)
+    # ... unless verifying its drafts makes the pass dearer than they bring (5 ms a draft).
+    assert skip_rule([1.0], 0.001, pass_seconds=0.04 + 0.005 * np.arange(9)).applies(ONE_MISSING, GREEDY)
+    assert not skip_rule([1.0], drafting_seconds=0.001).applies(LONG_BOTH, np.array([True, False])), \
+        "sampled rows have their own (unlearned, zero) table"
+    assert not skip_rule([], drafting_seconds=0.0).applies(LONG_BOTH, GREEDY), "no c_1 seen yet"
+
+
+def test_drafter_skip_counts_the_confident_steps_of_the_drafter() -> None:
+    """The choice takes the better proposal per request, so the drafter's worth is the mean
+    of a maximum: c_1 values spread around a mean are worth more than the mean alone."""
+    assert skip_rule([0.9] * 4, drafting_seconds=0.004).applies(ONE_SHORT, GREEDY)
+    assert not skip_rule([0.2, 0.2, 0.2, 3.0], drafting_seconds=0.004).applies(ONE_SHORT, GREEDY)
 
 
 def with_drafter_and_ngram_learned(ctrl: VerificationController) -> VerificationController:
@@ -216,22 +238,30 @@ def with_drafter_and_ngram_learned(ctrl: VerificationController) -> Verification
 
 
 def test_the_plan_carries_the_skip_only_where_it_can_apply() -> None:
-    assert controller(ngram_skips_drafter=True).plan_drafting(1).drafter_skip is None, "nothing known of the drafter yet"
-    assert with_drafter_and_ngram_learned(controller()).plan_drafting(1).drafter_skip is None, "off by default"
-    ctrl = with_drafter_and_ngram_learned(controller(ngram_skips_drafter=True))
-    plan = ctrl.plan_drafting(1)
-    assert plan.depth > 0 and plan.drafter_skip is not None
-    # The most the drafter's block brings under the choice's own model (c_1 = 1): a
-    # continuation that beats it is taken whatever this step's c_1.
-    shape = ctrl.mean_survival[: plan.depth] / ctrl.mean_survival[0]
-    assert plan.drafter_skip.drafter_expected == pytest.approx(shape.sum())
     proposals = hybrid.NgramProposals(np.ones((1, 4), dtype=np.int64), np.array([4]), np.array([6]))
-    assert plan.drafter_skip.applies(proposals, np.array([True]))
-    assert ctrl.prefer_ngram(np.array([1.0]), np.array([True]), proposals, plan.depth).all()
-    weak = controller(ngram_skips_drafter=True)
-    weak.mean_survival, weak._survival_seen_at[:] = np.array([0.99, 0.98, 0.97, 0.96]), 0.0
-    learned_table(weak, match=6, accepted_of_4=1)  # about one of four: never beats the drafter's best
-    assert weak.plan_drafting(1).drafter_skip is None
+    ctrl = with_drafter_and_ngram_learned(controller(ngram_skips_drafter=True))
+    assert ctrl.plan_drafting(1).drafter_skip is None, "no c_1 of the drafter seen yet"
+    ctrl.prefer_ngram(np.array([0.0]), np.array([True]), proposals, 0)
+    assert ctrl.plan_drafting(1).drafter_skip is None, "a step without drafts shows no c_1"
+    ctrl.prefer_ngram(np.array([0.3]), np.array([True]), proposals, 4)
+    plan = ctrl.plan_drafting(1)
+    assert plan.depth > 0 and plan.drafter_skip is not None and plan.drafter_skip.depth == plan.depth
+    first = ctrl._recalibrated(np.array([[0.3]]), np.array([True]))[0, 0]
+    assert np.allclose(plan.drafter_skip.drafter_expected,
+                       hybrid.drafter_expected(np.array([first]), plan.depth, ctrl.mean_survival))
+    assert plan.drafter_skip.applies(proposals, np.array([True])), "a 4-of-4 continuation against a weak drafter"
+    assert with_drafter_and_ngram_learned(controller()).plan_drafting(1).drafter_skip is None, "off by default"
+
+
+def test_a_probe_is_never_left_out() -> None:
+    ctrl = with_drafter_and_ngram_learned(controller(ngram_skips_drafter=True))
+    ctrl.mean_survival = np.array([0.5, 0.0, 0.0, 0.0])  # best depth 1; probes at 2 and 0
+    ctrl.prefer_ngram(np.array([0.3]), np.array([True]),
+                      hybrid.NgramProposals(np.ones((1, 4), dtype=np.int64), np.array([4]), np.array([6])), 4)
+    plans = [ctrl.plan_drafting(1) for _ in range(3 * PROBE_INTERVAL)]
+    best = max(set(p.depth for p in plans), key=[p.depth for p in plans].count)
+    assert best == 1 and any(p.depth == 2 for p in plans), "the deeper probes ran"
+    assert all((p.drafter_skip is None) == (p.depth != best) for p in plans if p.depth)
 
 
 def test_lookup_after_step_appends_the_sampled_tokens() -> None:

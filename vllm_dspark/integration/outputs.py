@@ -18,7 +18,7 @@ from vllm_dspark.scheduling.hybrid import NgramProposals
 # scheduler to the worker (with the object in-process, by pickle to worker processes).
 MIN_SURVIVAL_FIELD = "vllm_dspark_min_survival"
 # Attribute of SchedulerOutput: the plan's `DrafterSkip` (or None), the worker's rule for
-# leaving the drafter out of a step where every request's n-gram continuation wins.
+# leaving the drafter out of a step predicted faster with n-gram continuations alone.
 DRAFTER_SKIP_FIELD = "vllm_dspark_drafter_skip"
 # Attribute of SchedulerOutput: the requests whose scheduled drafts are n-gram continuations,
 # verified as point masses (probability 1 on each proposed token).

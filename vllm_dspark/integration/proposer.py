@@ -41,8 +41,8 @@ class DSparkProposer(dflash_proposer_base()):
         # Set by the runner before each proposal from the scheduler's plan: a request stops
         # drafting once its prefix survival falls below it (0 = draft every position).
         self.min_survival = 0.0
-        # Set by the runner before a proposal where every request's n-gram continuation
-        # beats the drafter (hybrid.DrafterSkip): only the context is stored, once.
+        # Set by the runner before a proposal predicted faster with the requests' n-gram
+        # continuations alone (hybrid.DrafterSkip): only the context is stored, once.
         self.skip_for_ngram = False
         # The last proposal's confidences on the host (filled without blocking) and the
         # event after which they are there (None on CPU, where the copy is synchronous).

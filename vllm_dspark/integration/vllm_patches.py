@@ -16,8 +16,8 @@ reads is in `compat.py`). Each patch is idempotent and applies in every vLLM pro
    batch's token ids once the step's tokens are in; `propose_draft_token_ids` hands the
    proposer the early-stop survival the scheduler put on the scheduler output
    (`MIN_SURVIVAL_FIELD`) and, where the scheduler's `DrafterSkip` (`DRAFTER_SKIP_FIELD`)
-   finds every request's continuation ahead of the drafter, has it store only the
-   context (the continuations, looked up then on the step's sampled tokens, are
+   predicts the step faster with the requests' continuations alone, has it store only
+   the context (the continuations, looked up then on the step's sampled tokens, are
    reused); `execute_model` reads the requests whose drafts are n-gram continuations
    (`POINT_MASS_FIELD`) and `_get_spec_decode_draft_probs` gives those rows the point
    mass on the proposed token as the rejection sampler's draft distribution.

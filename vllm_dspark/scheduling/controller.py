@@ -97,6 +97,10 @@ MAX_PROBE_INTERVAL = 128
 DRAFTING_SMOOTHING = 0.1
 # Weight of each drafted step in the per-position survival estimate.
 SURVIVAL_SMOOTHING = 0.2
+# Recent calibrated first confidences kept for the hybrid's skip rule (hybrid.DrafterSkip),
+# and how many of their quantiles it receives.
+RECENT_FIRST_CONFIDENCES = 128
+FIRST_CONFIDENCE_QUANTILES = 16
 
 
 @dataclass(frozen=True)
@@ -249,6 +253,8 @@ class VerificationController:
             else {}
         )
         self.ngram = hybrid.NgramConfidence(self.block) if options.hybrid_ngram and self.block else None
+        # The drafter's recent calibrated c_1 on drafted steps (hybrid: the skip rule's prior).
+        self._first_confidences: deque[float] = deque(maxlen=RECENT_FIRST_CONFIDENCES)
         self.stats = DSparkStats(policy=self.policy.name)
         # (start time, tokens in the pass, its record for the realized-speed check) of the
         # decode step in flight; None: not timed
@@ -418,7 +424,7 @@ class VerificationController:
         depth = self.policy.max_draft_depth(self.block)
         if not self.options.adaptive_drafting:
             self.stats.record_plan(depth)
-            return DraftPlan(depth, 0.0, self._drafter_skip(depth))
+            return DraftPlan(depth, 0.0, self._drafter_skip(num_requests, depth))
         if self.realized is not None and num_requests and self.realized.reference_due(num_requests):
             # A plain step, so that the check has a reference at this load (realized.py).
             self._verification_vetoed = True
@@ -434,6 +440,7 @@ class VerificationController:
             return DraftPlan(0, 0.0, None)
         floor = self.policy.min_survival(self.policy_curve, num_requests, self.block)
         known = self.mean_survival is not None and bool(np.isfinite(self._survival_seen_at[:depth]).all())
+        probing = False
         if self.policy.adaptive_depth and self.curve is not None and known and num_requests:
             vetoed = self.realized is not None and self.realized.vetoes(num_requests)
             # Hybrid: the drafter alone may be vetoed, n-gram continuations still verified.
@@ -442,22 +449,39 @@ class VerificationController:
             probe = self._probed_depth(0 if vetoed or drafter_vetoed else best, depth, num_requests)
             # A probe under a veto tests what the model would draft.
             depth = max(probe, best) if (vetoed or drafter_vetoed) and probe else probe
+            probing = probe != best
             # A probe's drafts are verified as usual; otherwise nothing is, n-gram rows included.
             self._verification_vetoed = vetoed and depth == 0
             self.stats.vetoed_steps += int(self._verification_vetoed)
             self.stats.drafter_vetoed_steps += int(drafter_vetoed and depth == 0)
         self.stats.record_plan(depth)
-        return DraftPlan(depth, floor if depth else 0.0, self._drafter_skip(depth))
+        # A probe measures the drafter, so the worker must not leave it out.
+        skip = None if probing else self._drafter_skip(num_requests, depth)
+        return DraftPlan(depth, floor if depth else 0.0, skip)
 
-    def _drafter_skip(self, depth: int) -> hybrid.DrafterSkip | None:
-        """What the worker needs to leave the drafter out where n-gram continuations win
-        whatever the drafter's c_1, from earlier steps only: the learned n-gram acceptance
-        and what the drafter's block brings at this depth with c_1 = 1 (hybrid.DrafterSkip)."""
-        if self.ngram is None or not depth or not self.options.ngram_skips_drafter or self.mean_survival is None:
+    def _drafter_skip(self, num_requests: int, depth: int) -> hybrid.DrafterSkip | None:
+        """What the worker needs to leave the drafter out where the step is predicted to
+        serve faster with n-gram continuations alone, from earlier steps only: the learned
+        n-gram acceptance, the drafter's expectation at this depth over recent c_1 values,
+        the pass time by drafts verified and the drafting time (hybrid.DrafterSkip)."""
+        if (self.ngram is None or not depth or not num_requests or not self.options.ngram_skips_drafter
+                or self.mean_survival is None or self.curve is None or not self._first_confidences):
             return None
-        expected = hybrid.drafter_expected(np.ones(1), depth, self.mean_survival)[0]
-        skip = hybrid.DrafterSkip(self.ngram.table(), float(expected))
-        return skip if skip.possible() else None
+        levels = (np.arange(FIRST_CONFIDENCE_QUANTILES) + 0.5) / FIRST_CONFIDENCE_QUANTILES
+        first = np.quantile(np.fromiter(self._first_confidences, dtype=np.float64), levels)
+        drafting = self.drafting_cost.predict(num_requests, np.array([0, depth]))
+        return hybrid.DrafterSkip(
+            self.ngram.table(), depth, hybrid.drafter_expected(first, depth, self.mean_survival),
+            self._pass_seconds(num_requests + np.arange(num_requests * self.block + 1)),
+            float(drafting[1] - drafting[0]),
+        )
+
+    def _pass_seconds(self, batch_tokens: np.ndarray) -> np.ndarray:
+        """Predicted seconds of decode passes of `batch_tokens` tokens, drafting left out:
+        the profile mapped by the learned step-time model."""
+        assert self.curve is not None
+        scale, offset = self._model
+        return scale * self.curve.step_time(batch_tokens) + offset
 
     def _probed_depth(self, best: int, max_depth: int, num_requests: int) -> int:
         """`best`, or a probe of it once every `PROBE_INTERVAL` steps at this load, less
@@ -481,16 +505,14 @@ class VerificationController:
         depths = np.arange(max_depth + 1)
         survival = self.mean_survival[:max_depth]
         tokens = num_requests * (1.0 + np.r_[0.0, np.cumsum(survival)])
-        scale, offset = self._model
-        step = scale * self.curve.step_time(num_requests * (1 + depths)) + offset
-        step += self.drafting_cost.predict(num_requests, depths)
+        step = self._pass_seconds(num_requests * (1 + depths)) + self.drafting_cost.predict(num_requests, depths)
         return int(np.argmax(tokens / np.maximum(step, 1e-9)))
 
     def observe_drafting(
         self, num_requests: int, depth: int, lm_head_rows: int, seconds: float, skipped_for_ngram: bool = False
     ) -> None:
         """What the last proposal cost (from the drafter's own timing); `skipped_for_ngram`:
-        the worker left the drafter out because every request's n-gram continuation won."""
+        the worker left the drafter out for the requests' n-gram continuations."""
         self.stats.drafter_skipped_steps += int(skipped_for_ngram)
         if num_requests <= 0 or seconds <= 0.0:
             return
@@ -512,6 +534,8 @@ class VerificationController:
             return np.zeros(len(greedy), dtype=bool)
         raw = self._valid_confidences(np.asarray(first_confidence)[:, None], count=False)  # decide() counts them
         first = self._recalibrated(raw, greedy)[:, 0]
+        if drafted_depth:
+            self._first_confidences.extend(first.tolist())
         conditional = self.ngram.conditional(proposals.matches, proposals.lengths, greedy)
         return (proposals.lengths > 0) & hybrid.prefer_ngram(conditional, first, drafted_depth, self.mean_survival)
 

@@ -175,30 +175,45 @@ def drafter_expected(first_confidence: np.ndarray, drafted_depth: int, mean_surv
 
 @dataclass(frozen=True)
 class DrafterSkip:
-    """The scheduler's word to the worker on leaving the drafter out of a step: the
-    worker looks up every request's continuation once the step's tokens are sampled, and
-    where each of them expects more accepted drafts than the drafter's block could at
-    best (`drafter_expected` with c_1 = 1), it only stores the drafter's context. There
-    `prefer_ngram` would take every continuation whatever this step's c_1 (the survival
-    estimate it reads may move by one step's update in between), so the skip only
-    anticipates the choice and saves the drafter's forward pass, most of a drafting
-    step's cost. (Measured: comparing with the recent mean c_1 instead skipped where a
-    confident drafter would have won, and lost more accepted tokens than it saved;
-    benchmarks/results/ngram_skip_ab/.)
+    """The scheduler's word to the worker on leaving the drafter out of a step: once the
+    step's tokens are sampled the worker looks up every request's continuation and, where
+    the step is predicted to serve more tokens per second without the drafter's block than
+    with it, only stores the drafter's context.
+
+    The prediction weighs, as the depth choice does (controller.py), tokens against
+    seconds. Without the drafter each request expects 1 + its continuation's learned
+    acceptance and the pass verifies every continuation. With it, each request takes the
+    larger of that and the drafter's expectation (its choice, `prefer_ngram`), and the
+    step also pays the drafter's pass. This step's c_1 is not drawn yet, so the drafter's
+    expectation is averaged over recent c_1 values: the choice is a maximum, and the mean
+    c_1 alone would undervalue a drafter that is sometimes confident. (Measured: a rule
+    that compared every continuation with the mean c_1 and ignored seconds skipped where a
+    confident drafter would have won; benchmarks/results/ngram_skip_ab/.)
 
     The decision reads the context and earlier steps only, never a draw, so
     verification stays exact (module docstring)."""
 
     table: np.ndarray  # [mode, match bucket, position] learned n-gram acceptance
-    drafter_expected: float  # the most the drafter's block can be expected to bring at the planned depth
-
-    def possible(self) -> bool:
-        """Whether any continuation could beat the drafter (else the lookup is not worth it)."""
-        return bool(expected_accepted(self.table.reshape(-1, self.table.shape[-1])).max() > self.drafter_expected)
+    depth: int  # the planned draft depth
+    drafter_expected: np.ndarray  # [S] the drafter block's expected accepted drafts, one per recent c_1
+    pass_seconds: np.ndarray  # [n] predicted seconds of the pass with n drafts beside the requests' own tokens
+    drafting_seconds: float  # predicted drafting at the planned depth less storing the context alone
 
     def applies(self, proposals: NgramProposals, greedy: np.ndarray) -> bool:
-        """True where every request has a continuation expected to beat the drafter."""
-        if not len(proposals.lengths) or not (proposals.lengths > 0).all():
+        """True where the step is predicted to serve more tokens a second without the drafter."""
+        requests = len(proposals.lengths)
+        if not requests or not len(self.drafter_expected):
             return False
         conditional = conditional_from_table(self.table, proposals.matches, proposals.lengths, greedy)
-        return bool((expected_accepted(conditional) > self.drafter_expected).all())
+        ngram = expected_accepted(conditional)  # [R]; 0 without a continuation
+        drafter = np.asarray(self.drafter_expected)[:, None]  # [S, 1]
+        takes_drafter = drafter > ngram[None, :]  # [S, R]
+        with_tokens = requests + np.where(takes_drafter, drafter, ngram).sum(axis=1)
+        with_drafts = np.where(takes_drafter, self.depth, proposals.lengths).sum(axis=1)
+        with_seconds = self.seconds(with_drafts) + self.drafting_seconds
+        without_seconds = self.seconds(np.array([proposals.lengths.sum()]))[0]
+        return bool((requests + ngram.sum()) / without_seconds >= with_tokens.mean() / with_seconds.mean())
+
+    def seconds(self, drafts: np.ndarray) -> np.ndarray:
+        """Predicted seconds of the verification pass with `drafts` drafts in it."""
+        return np.maximum(self.pass_seconds[np.minimum(drafts, len(self.pass_seconds) - 1)], 1e-9)
