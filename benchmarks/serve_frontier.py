@@ -136,8 +136,8 @@ def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str 
         "dspark + n-gram, per-user objective": dspark(policy="dspark", **curve, hybrid_ngram=True, objective="per_user"),
         "dspark + n-gram, plain steps as before": dspark(policy="dspark", **curve, hybrid_ngram=True,
                                                          **PLAIN_STEPS_AS_BEFORE),
-        "dspark + n-gram, drafter left out for n-gram": dspark(policy="dspark", **curve, hybrid_ngram=True,
-                                                               ngram_skips_drafter=True),
+        "dspark + n-gram, drafter never left out": dspark(policy="dspark", **curve, hybrid_ngram=True,
+                                                          ngram_skips_drafter=False),
         "sla, 8 tok/s floor": dspark(policy="sla", **curve, min_tokens_per_s=8.0),
         "sla, 16 tok/s floor": dspark(policy="sla", **curve, min_tokens_per_s=16.0),
     } | ({} if reduced is None else {

@@ -250,7 +250,8 @@ def test_the_plan_carries_the_skip_only_where_it_can_apply() -> None:
     assert np.allclose(plan.drafter_skip.drafter_expected,
                        hybrid.drafter_expected(np.array([first]), plan.depth, ctrl.mean_survival))
     assert plan.drafter_skip.applies(proposals, np.array([True])), "a 4-of-4 continuation against a weak drafter"
-    assert with_drafter_and_ngram_learned(controller()).plan_drafting(1).drafter_skip is None, "off by default"
+    assert with_drafter_and_ngram_learned(controller(ngram_skips_drafter=False)).plan_drafting(1).drafter_skip is None
+    assert PluginOptions().ngram_skips_drafter, "on by default"
 
 
 def test_a_probe_is_never_left_out() -> None:

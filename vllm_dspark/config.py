@@ -210,11 +210,12 @@ class PluginOptions(BaseModel):
     # context (prompt lookup); the scheduler takes whichever proposal expects more accepted
     # tokens and ranks both sources under one budget (scheduling/hybrid.py).
     hybrid_ngram: bool = True
-    # Hybrid: the worker leaves the drafter out of a step where every request's n-gram
-    # continuation beats the best the drafter's block could bring (scheduling/hybrid.py,
-    # DrafterSkip). Off by default: measured on SmolLM2 it fired on 6-11% of the steps and
-    # gained nothing beyond the waves' spread (benchmarks/results/ngram_skip_ab/).
-    ngram_skips_drafter: bool = False
+    # Hybrid: the worker leaves the drafter out of a step predicted to serve more tokens a
+    # second with the requests' n-gram continuations alone (scheduling/hybrid.py,
+    # DrafterSkip). Measured on SmolLM2 under a closed loop, turn by turn against the same
+    # hybrid without it: chat 1.05x / 1.09x / 1.02x, code 0.96x / 1.20x / 0.97x at R = 1 / 4
+    # / 16 (benchmarks/results/closed_loop/{chat,code}_skip_rule.md).
+    ngram_skips_drafter: bool = True
     # With adaptive drafting: stop speculating at a load where speculative steps have
     # measurably realized less per-request speed than plain steps there, whatever the
     # model predicts (probes go on; scheduling/realized.py).
