@@ -198,7 +198,9 @@ def skip_rule(drafter_expected, drafting_seconds: float, pass_seconds=None) -> h
     table[0, hybrid.match_buckets(6)] = 0.9
     table[0, hybrid.match_buckets(2)] = 0.3
     pass_seconds = np.full(9, 0.04) if pass_seconds is None else pass_seconds
-    return hybrid.DrafterSkip(table, 4, np.asarray(drafter_expected, dtype=np.float64), pass_seconds, drafting_seconds)
+    expected = np.asarray(drafter_expected, dtype=np.float64)
+    expected = np.tile(expected, (hybrid.CONTINUATION_KEYS, 1)) if expected.ndim == 1 else expected
+    return hybrid.DrafterSkip(table, 4, expected, pass_seconds, drafting_seconds)
 
 
 GREEDY = np.array([True, True])
@@ -230,6 +232,18 @@ def test_drafter_skip_counts_the_confident_steps_of_the_drafter() -> None:
     assert not skip_rule([0.2, 0.2, 0.2, 3.0], drafting_seconds=0.004).applies(ONE_SHORT, GREEDY)
 
 
+def test_drafter_skip_values_the_drafter_by_the_requests_situation() -> None:
+    """A drafter confident where the context repeats itself (long matches) and weak
+    elsewhere: its worth beside a long match is read from its c_1 there."""
+    expected = np.full((hybrid.CONTINUATION_KEYS, 1), 0.2)
+    assert skip_rule(expected, drafting_seconds=0.001).applies(ONE_SHORT, GREEDY)
+    expected[1 + hybrid.match_buckets(6)] = 3.5  # beats the long match's 3.1
+    assert not skip_rule(expected, drafting_seconds=0.001).applies(ONE_SHORT, GREEDY)
+    expected[1 + hybrid.match_buckets(6)] = 0.2
+    assert not skip_rule(expected, drafting_seconds=0.001).applies(ONE_MISSING, GREEDY), \
+        "the request without a continuation gains the drafter's 0.2"
+
+
 def with_drafter_and_ngram_learned(ctrl: VerificationController) -> VerificationController:
     ctrl.mean_survival = np.array([0.4, 0.2, 0.1, 0.05])
     ctrl._survival_seen_at[:] = 0.0
@@ -247,7 +261,14 @@ def test_the_plan_carries_the_skip_only_where_it_can_apply() -> None:
     plan = ctrl.plan_drafting(1)
     assert plan.depth > 0 and plan.drafter_skip is not None and plan.drafter_skip.depth == plan.depth
     first = ctrl._recalibrated(np.array([[0.3]]), np.array([True]))[0, 0]
+    # Seen beside a match of 6 only: every key takes it until its own values come.
     assert np.allclose(plan.drafter_skip.drafter_expected,
+                       hybrid.drafter_expected(np.array([first]), plan.depth, ctrl.mean_survival))
+    none = hybrid.NgramProposals(np.zeros((1, 4), dtype=np.int64), np.array([0]), np.array([0]))
+    ctrl.prefer_ngram(np.array([0.9]), np.array([True]), none, 4)
+    expected = ctrl.plan_drafting(1).drafter_skip.drafter_expected
+    assert expected[0].min() > expected[1 + hybrid.match_buckets(6)].max(), "each key its own values"
+    assert np.allclose(expected[1 + hybrid.match_buckets(6)],
                        hybrid.drafter_expected(np.array([first]), plan.depth, ctrl.mean_survival))
     assert plan.drafter_skip.applies(proposals, np.array([True])), "a 4-of-4 continuation against a weak drafter"
     assert with_drafter_and_ngram_learned(controller(ngram_skips_drafter=False)).plan_drafting(1).drafter_skip is None

@@ -98,7 +98,7 @@ DRAFTING_SMOOTHING = 0.1
 # Weight of each drafted step in the per-position survival estimate.
 SURVIVAL_SMOOTHING = 0.2
 # Recent calibrated first confidences kept for the hybrid's skip rule (hybrid.DrafterSkip),
-# and how many of their quantiles it receives.
+# per continuation key, and how many of their quantiles it receives.
 RECENT_FIRST_CONFIDENCES = 128
 FIRST_CONFIDENCE_QUANTILES = 16
 
@@ -253,8 +253,9 @@ class VerificationController:
             else {}
         )
         self.ngram = hybrid.NgramConfidence(self.block) if options.hybrid_ngram and self.block else None
-        # The drafter's recent calibrated c_1 on drafted steps (hybrid: the skip rule's prior).
-        self._first_confidences: deque[float] = deque(maxlen=RECENT_FIRST_CONFIDENCES)
+        # The drafter's recent calibrated c_1 on drafted steps by the request's continuation
+        # key (hybrid: the skip rule's prior).
+        self._first_confidences = [deque(maxlen=RECENT_FIRST_CONFIDENCES) for _ in range(hybrid.CONTINUATION_KEYS)]
         self.stats = DSparkStats(policy=self.policy.name)
         # (start time, tokens in the pass, its record for the realized-speed check) of the
         # decode step in flight; None: not timed
@@ -464,14 +465,18 @@ class VerificationController:
         serve faster with n-gram continuations alone, from earlier steps only: the learned
         n-gram acceptance, the drafter's expectation at this depth over recent c_1 values,
         the pass time by drafts verified and the drafting time (hybrid.DrafterSkip)."""
+        pooled = [c for recent in self._first_confidences for c in recent]
         if (self.ngram is None or not depth or not num_requests or not self.options.ngram_skips_drafter
-                or self.mean_survival is None or self.curve is None or not self._first_confidences):
+                or self.mean_survival is None or self.curve is None or not pooled):
             return None
         levels = (np.arange(FIRST_CONFIDENCE_QUANTILES) + 0.5) / FIRST_CONFIDENCE_QUANTILES
-        first = np.quantile(np.fromiter(self._first_confidences, dtype=np.float64), levels)
+        # A key not seen yet takes every key's values.
+        first = np.stack([np.quantile(np.asarray(recent or pooled, dtype=np.float64), levels)
+                          for recent in self._first_confidences])
+        expected = hybrid.drafter_expected(first.ravel(), depth, self.mean_survival).reshape(first.shape)
         drafting = self.drafting_cost.predict(num_requests, np.array([0, depth]))
         return hybrid.DrafterSkip(
-            self.ngram.table(), depth, hybrid.drafter_expected(first, depth, self.mean_survival),
+            self.ngram.table(), depth, expected,
             self._pass_seconds(num_requests + np.arange(num_requests * self.block + 1)),
             float(drafting[1] - drafting[0]),
         )
@@ -535,7 +540,9 @@ class VerificationController:
         raw = self._valid_confidences(np.asarray(first_confidence)[:, None], count=False)  # decide() counts them
         first = self._recalibrated(raw, greedy)[:, 0]
         if drafted_depth:
-            self._first_confidences.extend(first.tolist())
+            keys = hybrid.continuation_keys(proposals)
+            for key in np.unique(keys):
+                self._first_confidences[key].extend(first[keys == key].tolist())
         conditional = self.ngram.conditional(proposals.matches, proposals.lengths, greedy)
         return (proposals.lengths > 0) & hybrid.prefer_ngram(conditional, first, drafted_depth, self.mean_survival)
 
