@@ -200,9 +200,10 @@ class DrafterSkip:
     itself the drafter is confident too, and c_1 pooled over all steps, most of them drawn
     where no continuation was found, would undervalue it exactly where the skip is weighed.
     (Measured: a rule that compared every continuation with the mean c_1 and ignored
-    seconds skipped where a confident drafter would have won; pooled c_1 values left the
-    drafter out of 35% of the steps at one request on code and lost 4-7% against never
-    leaving it out; benchmarks/results/ngram_skip_ab/, closed_loop/.)
+    seconds skipped where a confident drafter would have won, benchmarks/results/
+    ngram_skip_ab/. At one request on code, c_1 pooled left the drafter out of 35-37% of
+    the steps, 2-4% behind never leaving it out; kept apart, 22%, 4% behind: within what
+    two identical engines differ by; benchmarks/results/closed_loop/.)
 
     The decision reads the context and earlier steps only, never a draw, so
     verification stays exact (module docstring)."""
