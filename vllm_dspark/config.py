@@ -213,8 +213,9 @@ class PluginOptions(BaseModel):
     # Hybrid: the worker leaves the drafter out of a step predicted to serve more tokens a
     # second with the requests' n-gram continuations alone (scheduling/hybrid.py,
     # DrafterSkip). Measured on SmolLM2 under a closed loop, turn by turn against the same
-    # hybrid without it: chat 1.05x / 1.09x / 1.02x, code 0.96x / 1.20x / 0.97x at R = 1 / 4
-    # / 16 (benchmarks/results/closed_loop/{chat,code}_skip_rule.md).
+    # hybrid without it at R = 1 / 4 / 16: chat 1.05x / 1.09x / 1.02x, code 0.96x / 1.20x /
+    # 0.97x and 0.98x / 1.01x / 0.94x with the drafter's c_1 pooled; code 0.96x / 1.00x /
+    # 1.03x with it kept by situation, as now (benchmarks/results/closed_loop/README.md).
     ngram_skips_drafter: bool = True
     # With adaptive drafting: stop speculating at a load where speculative steps have
     # measurably realized less per-request speed than plain steps there, whatever the

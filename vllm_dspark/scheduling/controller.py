@@ -465,9 +465,11 @@ class VerificationController:
         serve faster with n-gram continuations alone, from earlier steps only: the learned
         n-gram acceptance, the drafter's expectation at this depth over recent c_1 values,
         the pass time by drafts verified and the drafting time (hybrid.DrafterSkip)."""
-        pooled = [c for recent in self._first_confidences for c in recent]
         if (self.ngram is None or not depth or not num_requests or not self.options.ngram_skips_drafter
-                or self.mean_survival is None or self.curve is None or not pooled):
+                or self.mean_survival is None or self.curve is None):
+            return None
+        pooled = [c for recent in self._first_confidences for c in recent]
+        if not pooled:
             return None
         levels = (np.arange(FIRST_CONFIDENCE_QUANTILES) + 0.5) / FIRST_CONFIDENCE_QUANTILES
         # A key not seen yet takes every key's values.
