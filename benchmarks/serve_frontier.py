@@ -256,28 +256,29 @@ def serve_turn(llm, requests: list[tuple[list, object]], concurrency: int) -> di
     it). Returns the turn's timing: wall seconds, tokens, the mean decode speed per user
     (1/TPOT), the slowest request's, the mean time to the first token and the median
     request's tokens over its end-to-end time (admission to last token), the per-user
-    speed a client of a busy server sees."""
+    speed a client of a busy server sees, and every request's such speed in the order of
+    `requests` (so two engines' turns pair request by request)."""
     engine = llm.llm_engine
-    waiting = list(requests)
-    admitted: dict[str, float] = {}  # request id -> when it was handed to the engine
-    finished, user_speeds = [], []
+    waiting = list(enumerate(requests))
+    admitted: dict[str, tuple[int, float]] = {}  # request id -> (its index, when it was handed to the engine)
+    finished, user_speeds = [], [float("nan")] * len(requests)
 
     def admit() -> None:
         while waiting and len(admitted) < concurrency:
-            conversation, params = waiting.pop(0)
+            index, (conversation, params) = waiting.pop(0)
             [request_id] = llm.enqueue_chat([conversation], params, use_tqdm=False)
             # The engine hands back its internal id, the LLM's counter value plus "-" and eight random
             # characters (vLLM's assign_request_id); outputs carry the counter value.
-            admitted[request_id.split("-")[0]] = time.perf_counter()
+            admitted[request_id.split("-")[0]] = (index, time.perf_counter())
 
     start = time.perf_counter()
     admit()
     while admitted:
         for output in engine.step():
             if output.finished:
-                seconds = time.perf_counter() - admitted.pop(output.request_id)
+                index, since = admitted.pop(output.request_id)
                 finished.append(output)
-                user_speeds.append(len(output.outputs[0].token_ids) / seconds)
+                user_speeds[index] = len(output.outputs[0].token_ids) / (time.perf_counter() - since)
         admit()
     speeds = decode_speeds(finished)
     latencies = [o.metrics.first_token_latency for o in finished if o.metrics is not None]
@@ -285,7 +286,7 @@ def serve_turn(llm, requests: list[tuple[list, object]], concurrency: int) -> di
     return {"seconds": time.perf_counter() - start, "tokens": sum(len(o.outputs[0].token_ids) for o in finished),
             "decode": statistics.fmean(speeds) if speeds else nan, "slowest_decode": min(speeds, default=nan),
             "first_token_s": statistics.fmean(latencies) if latencies else nan,
-            "median_user_tok_s": statistics.median(user_speeds)}
+            "median_user_tok_s": statistics.median(user_speeds), "user_tok_s": user_speeds}
 
 
 def serve_waves(conn, target: str, settings: dict, max_num_seqs: int, max_tokens: int, prompt_set: str) -> None:
@@ -343,6 +344,8 @@ def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict, re
         "per_user_spread": [min(per_user), max(per_user)],
         "waves_seconds": seconds,
         "turns_per_user_tok_s": per_user,  # in repeat order: turn i of every row served the same prompts
+        # every request of every turn in order, so rows pair request by request (closed loops)
+        "requests_tok_s": [speed for w in waves for speed in w["user_tok_s"]],
         "tokens": sum(w["tokens"] for w in waves),
         "draft_tokens": delta["num_draft_tokens"],
         **plugin_delta(before["plugin"], after["plugin"]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -83,11 +84,13 @@ def test_waves_are_interleaved_in_rotating_order():
     assert [frontier.wave_order(names, i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     before = {"spec": {"num_drafts": 10, "num_accepted_tokens": 5, "num_draft_tokens": 20}, "plugin": None}
     waves = [{"seconds": s, "decode": d, "slowest_decode": d - 1, "first_token_s": 0.1, "tokens": 64, "plugin": None,
-              "spec": {"num_drafts": 30, "num_accepted_tokens": 25, "num_draft_tokens": 60}} for s, d in ((2.0, 9.0), (4.0, 7.0), (3.0, 8.0))]
+              "user_tok_s": [d, d + 1], "spec": {"num_drafts": 30, "num_accepted_tokens": 25, "num_draft_tokens": 60}}
+             for s, d in ((2.0, 9.0), (4.0, 7.0), (3.0, 8.0))]
     row = frontier.summarize_waves(1, 64, waves, before)
     assert row["wave_seconds"] == 3.0 and row["per_user_tok_s"] == 64 / 3.0 and row["decode_tok_s_per_user"] == 8.0
     assert row["accepted_length"] == 1.0 + 20 / 20 and row["verified_drafts_per_step"] == 2.0
     assert row["per_user_spread"] == [16.0, 32.0] and row["turns_per_user_tok_s"] == [32.0, 16.0, 64 / 3.0]
+    assert row["requests_tok_s"] == [9.0, 10.0, 7.0, 8.0, 8.0, 9.0]  # turn by turn, each in request order
     # a closed loop's turns are rated by their median request, not by their wall time
     loops = [wave | {"median_user_tok_s": speed} for wave, speed in zip(waves, (20.0, 30.0, 10.0))]
     assert frontier.summarize_waves(1, 64, loops, before, requests_per_user=3)["per_user_tok_s"] == 20.0
@@ -143,6 +146,9 @@ def test_a_closed_loop_replaces_each_finished_request_at_once():
     assert turn["tokens"] == sum(lengths)
     # a fake request's decode speed is (tokens - 1) / its steps: 1/2 for the short ones, 7/8 for request 1
     assert turn["median_user_tok_s"] > 0 and turn["first_token_s"] == 0.5
+    # every request's speed at its own place, whatever order they finished in
+    assert len(turn["user_tok_s"]) == 6 and all(speed > 0 for speed in turn["user_tok_s"])
+    assert turn["median_user_tok_s"] == statistics.median(turn["user_tok_s"])
     assert turn["decode"] == pytest.approx((5 * 0.5 + 7 / 8) / 6)
     assert turn["slowest_decode"] == pytest.approx(0.5)
     # a wave of the same six requests keeps them all in flight

@@ -1,0 +1,90 @@
+"""Every row of a closed-loop frontier run against one base row, turn by turn and request
+by request.
+
+`serve_frontier.py` rates a closed-loop turn by its median request, so a row's per-user
+speed rests on as many medians as it has turns (four, say, of twelve requests each) and two
+identical engines differ by 0.95-1.05x. Every row served the same prompts with the same
+output lengths in the same order, so its requests also pair one to one with the base
+row's: the median of those ratios, with a bootstrap interval, says how the typical
+request fared, and the pooled median request (every turn's requests together) is the
+per-user speed over all of them rather than over a few turn medians.
+
+    python benchmarks/pair_rows.py benchmarks/results/closed_loop/code.json --base ngram-k3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+RESAMPLES = 2000
+
+
+def median_interval(values: np.ndarray, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """A percentile bootstrap interval of the median of `values`."""
+    rng = np.random.default_rng(seed)
+    medians = np.median(rng.choice(values, size=(RESAMPLES, len(values))), axis=1)
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
+
+
+def compare(row: dict, base: dict) -> dict:
+    """Turn-paired and request-paired speed ratios of `row` against `base` (one R)."""
+    turns = [ours / theirs for ours, theirs in zip(row["turns_per_user_tok_s"], base["turns_per_user_tok_s"])]
+    ours, theirs = np.array(row["requests_tok_s"]), np.array(base["requests_tok_s"])
+    if len(ours) != len(theirs):
+        raise ValueError(f"rows served {len(ours)} and {len(theirs)} requests at R = {row['concurrency']}: not paired")
+    ratios = ours / theirs
+    return {
+        "concurrency": row["concurrency"],
+        "turns_median": statistics.median(turns),
+        "turns_range": (min(turns), max(turns)),
+        "requests": len(ratios),
+        "requests_median": float(np.median(ratios)),
+        "requests_interval": median_interval(ratios),
+        "pooled_median_ratio": float(np.median(ours) / np.median(theirs)),
+    }
+
+
+def report(results: dict[str, list[dict]], base_name: str) -> list[str]:
+    base = {row["concurrency"]: row for row in results[base_name]}
+    lines = [
+        f"Against `{base_name}`: per turn, the ratio of the turns' median requests (median, min-max over turns); "
+        "per request, the median of the requests' speed ratios (95% bootstrap interval); pooled, the ratio of "
+        "the median requests over every turn.",
+        "",
+        "| configuration | R | per turn | per request (95% interval) | pooled median request |",
+        "|---|---|---|---|---|",
+    ]
+    for name, rows in results.items():
+        if name == base_name:
+            continue
+        for row in rows:
+            if row["concurrency"] not in base or "requests_tok_s" not in row:
+                continue
+            c = compare(row, base[row["concurrency"]])
+            (low, high), (first, last) = c["requests_interval"], c["turns_range"]
+            lines.append(f"| {name} | {c['concurrency']} | {c['turns_median']:.3f}x ({first:.2f}-{last:.2f}) "
+                         f"| {c['requests_median']:.3f}x ({low:.3f}-{high:.3f}, {c['requests']} requests) "
+                         f"| {c['pooled_median_ratio']:.3f}x |")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path, help="a serve_frontier.py JSON of a closed-loop run")
+    parser.add_argument("--base", default="ngram-k3", help="the row every other row is paired with")
+    args = parser.parse_args()
+    results = json.loads(args.results.read_text())["results"]
+    if args.base not in results:
+        parser.error(f"no row {args.base!r} in {args.results}; rows: {', '.join(results)}")
+    print("\n".join(report(results, args.base)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""benchmarks/pair_rows.py: rows of a closed-loop run paired turn by turn and request by request."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("pair_rows", REPO / "benchmarks" / "pair_rows.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def row(r: int, turns: list[float], requests: list[float]) -> dict:
+    return {"concurrency": r, "turns_per_user_tok_s": turns, "requests_tok_s": requests}
+
+
+def test_requests_pair_one_to_one_and_turns_by_repeat():
+    pair = load_script()
+    base = row(4, [10.0, 20.0], [10.0, 10.0, 20.0, 40.0, 5.0])
+    # a row twice as fast on every request but the last, which it halves
+    ours = row(4, [22.0, 40.0], [20.0, 20.0, 40.0, 80.0, 2.5])
+    c = pair.compare(ours, base)
+    assert c["requests"] == 5 and c["requests_median"] == 2.0
+    low, high = c["requests_interval"]
+    assert 0.5 <= low <= 2.0 <= high <= 2.0 + 1e-12
+    assert c["turns_median"] == pytest.approx(2.1) and c["turns_range"] == pytest.approx((2.0, 2.2))
+    assert c["pooled_median_ratio"] == 2.0  # medians 20 against 10
+
+
+def test_unpaired_rows_are_refused():
+    pair = load_script()
+    with pytest.raises(ValueError, match="not paired"):
+        pair.compare(row(4, [1.0], [1.0, 2.0]), row(4, [1.0], [1.0]))
+
+
+def test_the_bootstrap_interval_narrows_with_more_requests():
+    pair = load_script()
+    rng = np.random.default_rng(1)
+    few, many = rng.normal(1.0, 0.1, 12), rng.normal(1.0, 0.1, 480)
+    width = [high - low for low, high in (pair.median_interval(few), pair.median_interval(many))]
+    assert width[1] < width[0] / 2
+
+
+def test_report_lists_every_other_row_at_every_shared_concurrency():
+    pair = load_script()
+    results = {"base": [row(1, [1.0], [1.0, 1.0]), row(4, [1.0], [1.0, 1.0])],
+               "hybrid": [row(1, [1.5], [1.5, 1.5]), row(4, [0.9], [0.9, 0.9]), row(16, [1.0], [1.0, 1.0])]}
+    lines = pair.report(results, "base")
+    rows = [line for line in lines if line.startswith("| hybrid")]
+    assert len(rows) == 2 and "| 1 | 1.500x" in rows[0] and "| 4 | 0.900x" in rows[1]
