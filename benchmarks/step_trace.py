@@ -17,7 +17,11 @@ drafter ran in it. Steps are then grouped as
 
 Per engine the report gives each group's steps per wave and median step, and splits the
 wave's summed step time against the plain engine's: each group's extra time (its steps x
-(its mean step - the plain engine's mean full-load step)) and the steps saved.
+(its mean step - the plain engine's mean full-load step)) and the steps saved. It also fits
+the steps that prefill a prompt as a fixed cost plus a cost per scheduled token: under a
+closed loop (`--requests-per-user`, turns as in `serve_frontier.py`) a new request's
+prefill shares its step with the others' decoding, and that step is its wait for the first
+token.
 
     python benchmarks/step_trace.py --prompts chat --concurrency 4 --repeats 10 \\
         --only no-spec "never drafting (fixed k=0)" dspark "dspark + n-gram"
@@ -34,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_frontier  # noqa: E402  (the sibling script: engines, waves, prompts)
 
@@ -43,12 +49,17 @@ TRACE_DIR_VARIABLE = "VLLM_DSPARK_STEP_TRACE"  # where an engine process writes 
 
 def step_group(step: dict, requests: int) -> str:
     """The group of one traced step (module docstring) in a wave of `requests`."""
-    prefill = step["tokens"] > step["requests"] + step["verified"]
-    if prefill or step["requests"] != requests:
+    if prefills(step) or step["requests"] != requests:
         return "other"
     if step["drafted"]:
         return "draft"
     return "verify" if step["verified"] else "plain"
+
+
+def prefills(step: dict) -> bool:
+    """Whether the step scheduled prompt tokens (more than one token per request beyond
+    its verified drafts)."""
+    return step["tokens"] > step["requests"] + step["verified"]
 
 
 def traced_serve_waves(conn, *args) -> None:
@@ -83,13 +94,14 @@ def traced_serve_waves(conn, *args) -> None:
     out = Path(os.environ[TRACE_DIR_VARIABLE])
 
     class TracingConnection:
-        """Writes the wave's steps beside its timing, then passes the timing on."""
+        """Writes the wave's steps beside its timing, then passes the timing on; the
+        start-up message drops the warm-up's steps."""
 
         def send(self, message):
             if isinstance(message, dict) and "seconds" in message:
                 with out.open("a") as file:
                     file.write(json.dumps({"wave_seconds": message["seconds"], "steps": steps}) + "\n")
-                steps.clear()
+            steps.clear()
             conn.send(message)
 
         def recv(self):
@@ -119,6 +131,7 @@ def summarize(waves: list[dict], requests: int) -> dict:
         for step in wave["steps"]:
             grouped[step_group(step, requests)].append(step["seconds"])
     count = max(1, len(waves))
+    prefill = [step for wave in waves for step in wave["steps"] if prefills(step)]
     return {
         "waves": len(waves),
         "wave_seconds": statistics.median(w["wave_seconds"] for w in waves),
@@ -127,7 +140,25 @@ def summarize(waves: list[dict], requests: int) -> dict:
                            "median_s": statistics.median(times) if times else None,
                            "mean_s": statistics.fmean(times) if times else None}
                    for group, times in grouped.items()},
+        "prefill": fit_prefill(prefill, count),
     }
+
+
+def fit_prefill(steps: list[dict], waves: int) -> dict:
+    """The steps that prefilled a prompt: per wave, their median, and seconds fitted as a
+    fixed cost plus a cost per scheduled token (least squares; None with fewer than two
+    distinct token counts)."""
+    if not steps:
+        return {"steps_per_wave": 0.0, "median_s": None, "fixed_s": None, "per_token_s": None,
+                "median_tokens": None, "verified": None}
+    tokens = np.array([step["tokens"] for step in steps], dtype=float)
+    seconds = np.array([step["seconds"] for step in steps])
+    fixed = per_token = None
+    if len(np.unique(tokens)) > 1:
+        per_token, fixed = (float(v) for v in np.polyfit(tokens, seconds, 1))
+    return {"steps_per_wave": len(steps) / waves, "median_s": float(np.median(seconds)), "fixed_s": fixed,
+            "per_token_s": per_token, "median_tokens": float(np.median(tokens)),
+            "verified": float(np.mean([step["verified"] for step in steps]))}
 
 
 def split_against_plain(row: dict, plain: dict) -> dict:
@@ -150,8 +181,11 @@ def write_report(summaries: dict[str, dict], meta: dict, out: Path) -> None:
     lines = [
         "# Step trace (real engine, CPU)",
         "",
-        f"{meta['prompts']} prompts, R = {meta['concurrency']}, {meta['repeats']} interleaved waves of "
-        f"{meta['max_tokens']} greedy tokens per request, measured {meta['date']} on {meta['hardware']}. "
+        f"{meta['prompts']} prompts, R = {meta['concurrency']}, {meta['repeats']} interleaved "
+        + (f"waves of {meta['max_tokens']} greedy tokens per request" if meta.get("requests_per_user", 1) == 1 else
+           f"closed-loop turns ({meta['requests_per_user']} requests per user, greedy, output lengths "
+           f"{meta['max_tokens'] // 2}-{meta['max_tokens'] * 3 // 2} tokens as in `serve_frontier.py`; a wave below is a turn)")
+        + f", measured {meta['date']} on {meta['hardware']}. "
         "Milliseconds; `plain`, `verify`, `draft` are full-load decode steps (module docstring of "
         "`benchmarks/step_trace.py`), `other` the prefill, ramp and tail. The last columns split the row's summed "
         "step time per wave against no-spec's: each group's steps x (its mean - no-spec's mean plain step), "
@@ -172,6 +206,16 @@ def write_report(summaries: dict[str, dict], meta: dict, out: Path) -> None:
         total = f"{1000 * sum(split.values()):+.0f}" if split else "-"
         lines.append(f"| {name} | {row['wave_seconds']:.3f} | {row['step_seconds_per_wave']:.3f} | "
                      + " | ".join(cells) + " | " + " | ".join(parts) + f" | {total} |")
+    lines += ["", "Steps that prefilled a prompt, fitted as fixed + per scheduled token (least squares):", "",
+              "| configuration | prefill steps/wave | median ms | median tokens | fixed ms | ms per token "
+              "| drafts verified in them (mean) |",
+              "|---|---|---|---|---|---|---|"]
+    for name, row in summaries.items():
+        p = row["prefill"]
+        cells = [f"{p['steps_per_wave']:.1f}"] + ["-" if p[key] is None else f"{scale * p[key]:.{digits}f}" for key, scale, digits in
+                  (("median_s", 1000, 1), ("median_tokens", 1, 0), ("fixed_s", 1000, 1), ("per_token_s", 1000, 2),
+                   ("verified", 1, 1))]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -181,6 +225,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-user", type=int, default=1,
+                        help="1: waves of R requests; N > 1: closed-loop turns of N x R requests (serve_frontier.py)")
     parser.add_argument("--prompts", choices=sorted(serve_frontier.PROMPT_SETS), default="chat")
     parser.add_argument("--drafter", default=str(serve_frontier.REPO / "examples" / "drafters" / "smollm2-dspark-b7"))
     parser.add_argument("--baseline-commit", default=None,
@@ -200,12 +246,13 @@ def main() -> int:
             for index, (name, settings) in enumerate(plan.items())}
     serve_frontier.serve_waves = traced_serve_waves  # what run_interleaved starts in each engine process
     serve_frontier.run_interleaved(str(smollm2_checkpoint()), plan, [args.concurrency], args.max_tokens,
-                                   args.repeats, args.prompts, lambda results, curve: None)
+                                   args.repeats, args.prompts, lambda results, curve: None, args.requests_per_user)
     summaries = {}
     for index, name in enumerate(plan):
         waves = [json.loads(line) for line in (traces / f"{index}.jsonl").read_text().splitlines()]
         summaries[name] = summarize(waves, args.concurrency)
     meta = {"prompts": args.prompts, "concurrency": args.concurrency, "repeats": args.repeats,
+            "requests_per_user": args.requests_per_user,
             "baseline_commit": args.baseline_commit,
             "max_tokens": args.max_tokens, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "hardware": hardware_name()}

@@ -51,3 +51,24 @@ def test_a_wave_splits_into_each_groups_extra_time_and_the_steps_saved(tmp_path:
     trace.write_report({"no-spec": plain, "dspark": spec}, meta, tmp_path / "trace")
     table = (tmp_path / "trace.md").read_text()
     assert "| dspark | 0.650 | 0.706 | 6.0 (41.0) | 2.0 (50.0) | 1.0 (60.0) | 1.0 (300.0) | +6 | +20 | +20 | +0 | -40 | +6 |" in table
+
+
+def test_prefill_steps_are_fitted_as_fixed_plus_per_token(tmp_path: Path):
+    """Prefills of 100, 200 and 300 prompt tokens beside four decoding requests that verify
+    2 drafts each: 20 ms + 1 ms per scheduled token, exactly."""
+    trace = load_script()
+    prefills = [step(0.020 + 0.001 * (4 + 8 + prompt), verified=8, prompt=prompt) for prompt in (100, 200, 300)]
+    turn = {"wave_seconds": 1.0, "steps": prefills + [step(0.04)] * 5}
+    row = trace.summarize([turn, turn], 4)
+    fit = row["prefill"]
+    assert fit["steps_per_wave"] == 3 and fit["verified"] == 8 and fit["median_tokens"] == 212
+    assert fit["fixed_s"] == pytest.approx(0.020) and fit["per_token_s"] == pytest.approx(0.001)
+    assert row["groups"]["other"]["steps_per_wave"] == 3  # the prefills are still the `other` group
+    one_size = trace.fit_prefill([prefills[0]] * 2, 1)
+    assert one_size["fixed_s"] is None and one_size["median_s"] == pytest.approx(0.132)
+    meta = {"prompts": "code", "concurrency": 4, "repeats": 2, "max_tokens": 64, "date": "now", "hardware": "cpu",
+            "requests_per_user": 3}
+    trace.write_report({"dspark + n-gram": row}, meta, tmp_path / "trace")
+    report = (tmp_path / "trace.md").read_text()
+    assert "closed-loop turns (3 requests per user" in report and "32-96 tokens" in report
+    assert "| dspark + n-gram | 3.0 | 232.0 | 212 | 20.0 | 1.00 | 8.0 |" in report
