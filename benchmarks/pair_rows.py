@@ -9,6 +9,11 @@ row's: the median of those ratios, with a bootstrap interval, says how the typic
 request fared, and the pooled median request (every turn's requests together) is the
 per-user speed over all of them rather than over a few turn medians.
 
+vLLM's own Pareto plot (`vllm bench sweep plot_pareto`) counts per-user speed as output
+throughput over the number of users; in a closed loop each of R users always has a request
+in flight, so that is each user's tokens over the run, the mean user's speed, and the
+turns' throughput ratio (the same tokens in every row) is reported beside ours.
+
     python benchmarks/pair_rows.py benchmarks/results/closed_loop/code.json --base ngram-k3
 """
 
@@ -36,8 +41,9 @@ def compare(row: dict, base: dict) -> dict:
     """Turn-paired and request-paired speed ratios of `row` against `base` (one R)."""
     turns = [ours / theirs for ours, theirs in zip(row["turns_per_user_tok_s"], base["turns_per_user_tok_s"])]
     ours, theirs = np.array(row["requests_tok_s"]), np.array(base["requests_tok_s"])
-    if len(ours) != len(theirs):
-        raise ValueError(f"rows served {len(ours)} and {len(theirs)} requests at R = {row['concurrency']}: not paired")
+    if len(ours) != len(theirs) or row["tokens"] != base["tokens"]:
+        raise ValueError(f"rows served {len(ours)} and {len(theirs)} requests ({row['tokens']} and {base['tokens']} tokens) "
+                         f"at R = {row['concurrency']}: not paired")
     ratios = ours / theirs
     return {
         "concurrency": row["concurrency"],
@@ -47,6 +53,9 @@ def compare(row: dict, base: dict) -> dict:
         "requests_median": float(np.median(ratios)),
         "requests_interval": median_interval(ratios),
         "pooled_median_ratio": float(np.median(ours) / np.median(theirs)),
+        # the same tokens in the same turn of every row: throughput ratio = inverse time ratio
+        "throughput_median": statistics.median(
+            theirs_s / ours_s for ours_s, theirs_s in zip(row["waves_seconds"], base["waves_seconds"])),
     }
 
 
@@ -55,10 +64,11 @@ def report(results: dict[str, list[dict]], base_name: str) -> list[str]:
     lines = [
         f"Against `{base_name}`: per turn, the ratio of the turns' median requests (median, min-max over turns); "
         "per request, the median of the requests' speed ratios (95% bootstrap interval); pooled, the ratio of "
-        "the median requests over every turn.",
+        "the median requests over every turn; vLLM's per user, the median over turns of the throughput ratio "
+        "(output throughput over users, `plot_pareto`'s tokens per user).",
         "",
-        "| configuration | R | per turn | per request (95% interval) | pooled median request |",
-        "|---|---|---|---|---|",
+        "| configuration | R | per turn | per request (95% interval) | pooled median request | vLLM's per user |",
+        "|---|---|---|---|---|---|",
     ]
     for name, rows in results.items():
         if name == base_name:
@@ -70,7 +80,7 @@ def report(results: dict[str, list[dict]], base_name: str) -> list[str]:
             (low, high), (first, last) = c["requests_interval"], c["turns_range"]
             lines.append(f"| {name} | {c['concurrency']} | {c['turns_median']:.3f}x ({first:.2f}-{last:.2f}) "
                          f"| {c['requests_median']:.3f}x ({low:.3f}-{high:.3f}, {c['requests']} requests) "
-                         f"| {c['pooled_median_ratio']:.3f}x |")
+                         f"| {c['pooled_median_ratio']:.3f}x | {c['throughput_median']:.3f}x |")
     return lines
 
 

@@ -18,27 +18,31 @@ def load_script():
     return module
 
 
-def row(r: int, turns: list[float], requests: list[float]) -> dict:
-    return {"concurrency": r, "turns_per_user_tok_s": turns, "requests_tok_s": requests}
+def row(r: int, turns: list[float], requests: list[float], seconds: list[float] | None = None) -> dict:
+    return {"concurrency": r, "turns_per_user_tok_s": turns, "requests_tok_s": requests,
+            "waves_seconds": seconds or [1.0] * len(turns), "tokens": 100}
 
 
 def test_requests_pair_one_to_one_and_turns_by_repeat():
     pair = load_script()
-    base = row(4, [10.0, 20.0], [10.0, 10.0, 20.0, 40.0, 5.0])
+    base = row(4, [10.0, 20.0], [10.0, 10.0, 20.0, 40.0, 5.0], seconds=[6.0, 8.0])
     # a row twice as fast on every request but the last, which it halves
-    ours = row(4, [22.0, 40.0], [20.0, 20.0, 40.0, 80.0, 2.5])
+    ours = row(4, [22.0, 40.0], [20.0, 20.0, 40.0, 80.0, 2.5], seconds=[4.0, 5.0])
     c = pair.compare(ours, base)
     assert c["requests"] == 5 and c["requests_median"] == 2.0
     low, high = c["requests_interval"]
     assert 0.5 <= low <= 2.0 <= high <= 2.0 + 1e-12
     assert c["turns_median"] == pytest.approx(2.1) and c["turns_range"] == pytest.approx((2.0, 2.2))
     assert c["pooled_median_ratio"] == 2.0  # medians 20 against 10
+    assert c["throughput_median"] == pytest.approx((6 / 4 + 8 / 5) / 2)  # its turns' times against the base's
 
 
 def test_unpaired_rows_are_refused():
     pair = load_script()
     with pytest.raises(ValueError, match="not paired"):
         pair.compare(row(4, [1.0], [1.0, 2.0]), row(4, [1.0], [1.0]))
+    with pytest.raises(ValueError, match="not paired"):  # other prompts or lengths: other tokens
+        pair.compare(row(4, [1.0], [1.0]), row(4, [1.0], [1.0]) | {"tokens": 99})
 
 
 def test_the_bootstrap_interval_narrows_with_more_requests():
