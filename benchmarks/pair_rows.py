@@ -14,7 +14,7 @@ throughput over the number of users; in a closed loop each of R users always has
 in flight, so that is each user's tokens over the run, the mean user's speed, and the
 turns' throughput ratio (the same tokens in every row) is reported beside ours.
 
-    python benchmarks/pair_rows.py benchmarks/results/closed_loop/code.json --base ngram-k3
+    python benchmarks/pair_rows.py benchmarks/results/closed_loop/code_paired.json --base ngram-k3
 """
 
 from __future__ import annotations

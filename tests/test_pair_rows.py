@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.benchmark_scripts import load_benchmark
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("pair_rows", REPO / "benchmarks" / "pair_rows.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("pair_rows")
 
 
 def row(r: int, turns: list[float], requests: list[float], seconds: list[float] | None = None) -> dict:

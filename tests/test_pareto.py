@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
+from tests.benchmark_scripts import load_benchmark
 from vllm_dspark.config import PluginOptions
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def load_script():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("pareto", REPO / "benchmarks" / "pareto.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("pareto")
 
 
 def test_dataset_is_vllm_custom_format_with_corpus_lengths(tmp_path: Path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
 from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
 
 
@@ -83,14 +84,7 @@ def test_settings_are_validated(kwargs):
 
 
 def _load_simulator():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "simulate_scheduling.py"
-    spec = importlib.util.spec_from_file_location("simulate_scheduling", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("simulate_scheduling")
 
 
 def test_simulator_recalibration_recovers_throughput_lost_to_over_confidence():

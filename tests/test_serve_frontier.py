@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
 from vllm_dspark.config import PluginOptions
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("serve_frontier", REPO / "benchmarks" / "serve_frontier.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("serve_frontier")
 
 
 def test_configurations_are_valid_plugin_settings():
@@ -157,16 +152,8 @@ def test_a_closed_loop_replaces_each_finished_request_at_once():
     assert wave.most_in_flight == 6
 
 
-def load_breakdown(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # the breakdown imports serve_frontier
-    spec = importlib.util.spec_from_file_location("drafting_breakdown", REPO / "benchmarks" / "drafting_breakdown.py")
-    breakdown = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(breakdown)
-    return breakdown
-
-
-def test_drafting_breakdown_rows_name_the_drafter_they_serve(tmp_path: Path, monkeypatch):
-    breakdown = load_breakdown(monkeypatch)
+def test_drafting_breakdown_rows_name_the_drafter_they_serve(tmp_path: Path):
+    breakdown = load_benchmark("drafting_breakdown")
     served = tmp_path / "served"
     served.mkdir()
     (served / "config.json").write_text(json.dumps({"draft_vocab_size": 4096}))
@@ -180,8 +167,8 @@ def test_drafting_breakdown_rows_name_the_drafter_they_serve(tmp_path: Path, mon
     assert not any(name.startswith("full vocabulary") for name in without_full)
 
 
-def test_drafting_breakdown_lever_rows_read_the_measured_rows(monkeypatch):
-    breakdown = load_breakdown(monkeypatch)
+def test_drafting_breakdown_lever_rows_read_the_measured_rows():
+    breakdown = load_benchmark("drafting_breakdown")
     rows = {
         breakdown.FULL_ALL_K: {"step": 90.0, "drafting total": 44.0, "LM head": 33.0, "Markov bias": 3.0, "context K/V": 1.0,
                                "rejection sampler": 1.0, "sampling etc.": 2.0},

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.benchmark_scripts import load_benchmark
 
 
 def load_script():
-    sys.path.insert(0, str(REPO / "benchmarks"))  # it imports its sibling serve_frontier
-    spec = importlib.util.spec_from_file_location("step_trace", REPO / "benchmarks" / "step_trace.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("step_trace")
 
 
 def step(seconds: float, requests: int = 4, verified: int = 0, drafted: bool = False, prompt: int = 0) -> dict:
