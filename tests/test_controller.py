@@ -96,6 +96,24 @@ def test_dspark_async_plans_each_budget_on_the_previous_step() -> None:
     assert verified.sum() == min(dspark_budget(first, CURVE), np.count_nonzero(second))
 
 
+def test_a_prompt_in_the_pass_is_not_charged_to_the_drafts() -> None:
+    """A CPU-like linear curve, 30 ms + 2 ms a token: a draft of survival 0.15 beside four
+    decoding requests does not pay (4.15 / 40 ms < 4 / 38 ms). With a 200-token prompt in
+    the pass, pricing the prompt as part of the step (4.15 / 440 ms > 4 / 438 ms) would
+    verify it, and even drafts of 0.05; priced apart, the step decides as without the prompt."""
+    linear = SpsCurve(points=[(b, 1000.0 / (30.0 + 2.0 * b)) for b in (1, 64, 512)])
+    options = {"sps_table": linear.points, "measure_step_overhead": False, "recalibrate": False}
+    c = np.array([[0.15], [0.05], [0.05], [0.05]])
+    for prompt, plain in ((0, 0), (200, 0), (200, 3)):
+        controller = VerificationController(PluginOptions(policy="dspark", **options), linear)
+        inputs = step(c, base_tokens=prompt + plain, plain_requests=plain)
+        assert controller.decide(inputs).verified.tolist() == [0, 0, 0, 0], (prompt, plain)
+    charged = PolicyStep(controller._recalibrated(c, np.zeros(4, dtype=bool)), linear, 200)
+    assert decide_lengths(DSparkPolicy(), charged).tolist() == [1, 1, 1, 1], "the prompt charged to the drafts"
+    confident = VerificationController(PluginOptions(policy="dspark", **options), linear)
+    assert confident.decide(step(np.full((4, 1), 0.5), base_tokens=200)).verified.tolist() == [1, 1, 1, 1]
+
+
 def test_sla_floors_per_request_override_the_default() -> None:
     controller = VerificationController(PluginOptions(policy="sla", min_tokens_per_s=0.0, **TABLE), CURVE)
     c = np.full((4, 4), 0.6)

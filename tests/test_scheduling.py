@@ -10,7 +10,7 @@ import pytest
 
 from vllm_dspark.scheduling import POLICIES, SpsCurve, dspark_budget, select_verify_lengths
 from vllm_dspark.scheduling.policies import EARLY_STOP_MARGIN, DSparkPolicy, PolicyStep
-from vllm_dspark.scheduling.ranking import rank_by_user_gain, tail_from
+from vllm_dspark.scheduling.ranking import decoding_part, rank_by_user_gain, tail_from
 
 FLAT = SpsCurve(points=[(1, 10.0)])
 COUNTER_EXAMPLE = SpsCurve(points=[(1, 1.0), (2, 0.5), (3, 0.45)])
@@ -264,6 +264,21 @@ def test_base_tokens_count_in_the_batch() -> None:
     curve = SpsCurve(points=[(1, 1.0), (2, 0.8), (10, 0.5), (11, 0.3)])
     assert select_verify_lengths([[0.5]], curve).tolist() == [1]  # 1.5 * .8 > 1
     assert select_verify_lengths([[0.5]], curve, base_tokens=9).tolist() == [0]  # 1.5*.3 < .5
+
+
+def test_a_prompt_is_priced_apart_from_the_decoding_part_of_its_pass() -> None:
+    """T'(B) = T(B + P) - (T(D + P) - T(D)): the decode-only step at B = D, each further
+    token at the slope where the pass really is, and on a linear curve exactly the
+    decode-only curve."""
+    gpu = SpsCurve(points=[(1, 100.0), (64, 100.0), (1024, 1000 / 106.0)])  # flat, then 0.1 ms a token
+    assert decoding_part(gpu, 0, 16) is gpu
+    part = decoding_part(gpu, 500, 16)
+    time = lambda sps, b: 1.0 / float(sps(np.asarray(float(b))))  # noqa: E731
+    assert time(part, 16) == pytest.approx(time(gpu, 16))
+    assert time(part, 17) - time(part, 16) == pytest.approx(time(gpu, 517) - time(gpu, 516))
+    assert time(part, 17) > time(part, 16)  # while a decode-only pass of 17 costs no more
+    linear = SpsCurve(points=[(1, 1000 / 32.0), (100, 1000 / 230.0), (1000, 1000 / 2030.0)])
+    np.testing.assert_allclose(decoding_part(linear, 300, 8)(np.arange(8.0, 40.0)), linear(np.arange(8.0, 40.0)))
 
 
 def test_plain_requests_count_in_expected_tokens() -> None:
