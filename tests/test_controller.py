@@ -109,7 +109,7 @@ def test_a_prompt_in_the_pass_is_not_charged_to_the_drafts() -> None:
         inputs = step(c, base_tokens=prompt + plain, plain_requests=plain)
         assert controller.decide(inputs).verified.tolist() == [0, 0, 0, 0], (prompt, plain)
     charged = PolicyStep(controller._recalibrated(c, np.zeros(4, dtype=bool)), linear, 200)
-    assert decide_lengths(DSparkPolicy(), charged).tolist() == [1, 1, 1, 1], "the prompt charged to the drafts"
+    assert DSparkPolicy().lengths(charged).tolist() == [1, 1, 1, 1], "the prompt charged to the drafts"
     confident = VerificationController(PluginOptions(policy="dspark", **options), linear)
     assert confident.decide(step(np.full((4, 1), 0.5), base_tokens=200)).verified.tolist() == [1, 1, 1, 1]
 

@@ -25,16 +25,25 @@ def reference_order(c: np.ndarray) -> list[tuple[int, int, float]]:
 
 
 def reference_dspark(c: np.ndarray, sps, base_tokens: int = 0, plain_requests: int = 0) -> np.ndarray:
-    """DSPARK.md section 4, line by line (plain requests: one token each, nothing to verify)."""
+    """DSPARK.md section 4, line by line (plain requests: one token each, nothing to verify;
+    the other base tokens are a prompt, whose own time is not charged to the drafts)."""
     num_requests = c.shape[0]
+    decoding, prompt = num_requests + plain_requests, base_tokens - plain_requests
+    decode_only = 1.0 / float(sps(decoding))
+    prompt_time = 1.0 / float(sps(decoding + prompt)) - decode_only
+
+    def throughput(tau: float, batch: int) -> float:  # with a prompt, a jagged curve's dips stop at half a decode step
+        step_time = 1.0 / float(sps(batch)) - prompt_time
+        return tau / (max(step_time, 0.5 * decode_only) if prompt else step_time)
+
     lengths = np.zeros(num_requests, dtype=np.int64)
     batch, tau = base_tokens + num_requests, float(num_requests + plain_requests)
-    best, chosen = tau * float(sps(batch)), lengths.copy()
+    best, chosen = throughput(tau, batch), lengths.copy()
     for r, j, a in reference_order(c):
         lengths[r] = j
         batch += 1
         tau += a
-        theta = tau * float(sps(batch))
+        theta = throughput(tau, batch)
         if theta > best:
             best, chosen = theta, lengths.copy()
         else:
@@ -279,6 +288,9 @@ def test_a_prompt_is_priced_apart_from_the_decoding_part_of_its_pass() -> None:
     assert time(part, 17) > time(part, 16)  # while a decode-only pass of 17 costs no more
     linear = SpsCurve(points=[(1, 1000 / 32.0), (100, 1000 / 230.0), (1000, 1000 / 2030.0)])
     np.testing.assert_allclose(decoding_part(linear, 300, 8)(np.arange(8.0, 40.0)), linear(np.arange(8.0, 40.0)))
+    # a curve that falls past the prompt by more than a decode step: half a decode step at least
+    dipping = SpsCurve(points=[(1, 1.0), (4, 1 / 3.0), (7, 1 / 1.4)])
+    assert time(decoding_part(dipping, 3, 1), 4) == pytest.approx(0.5)
 
 
 def test_plain_requests_count_in_expected_tokens() -> None:
@@ -286,8 +298,11 @@ def test_plain_requests_count_in_expected_tokens() -> None:
     draft: counted, they raise the bar a draft must clear. A curve where one more token
     costs 20%: 0.3 pays alone (1.3 * 0.8 > 1) but not beside a plain request (2.3 * 0.8 < 2)."""
     curve = SpsCurve(points=[(1, 1.0), (2, 0.8), (3, 0.64)])
-    assert select_verify_lengths([[0.3]], curve, base_tokens=1).tolist() == [1]  # a prefill token
+    assert select_verify_lengths([[0.3]], curve).tolist() == [1]
     assert select_verify_lengths([[0.3]], curve, base_tokens=1, plain_requests=1).tolist() == [0]
+    # A prompt token emits nothing and its own time is not charged to the draft, but the
+    # draft costs the slope where the pass is: 0.31 s there, against 0.25 s alone.
+    assert select_verify_lengths([[0.3]], curve, base_tokens=1).tolist() == [0]
     with pytest.raises(ValueError, match="plain_requests"):
         select_verify_lengths([[0.3]], curve, base_tokens=0, plain_requests=1)
 

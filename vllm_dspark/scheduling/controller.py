@@ -74,7 +74,7 @@ from vllm_dspark.scheduling.policies import (
     decide_lengths,
     policy_from_options,
 )
-from vllm_dspark.scheduling.ranking import SpsFunction, decoding_part
+from vllm_dspark.scheduling.ranking import SpsFunction
 from vllm_dspark.scheduling.realized import RealizedSpeed, StepRecord, load_bucket
 from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
 from vllm_dspark.scheduling.sps import SpsCurve
@@ -343,11 +343,8 @@ class VerificationController:
             # An n-gram row's confidences are its learned acceptance, not the drafter's.
             width = confidences.shape[1]
             confidences[ngram] = self.ngram.conditional(matches[ngram], step.proposed[ngram], step.greedy[ngram])[:, :width]
-        # A prompt in the pass is priced apart (ranking.decoding_part): base_tokens less the
-        # decoding requests without drafts.
-        prompt_tokens = step.base_tokens - step.plain_requests
-        curve = decoding_part(self.policy_curve, prompt_tokens, len(step.req_ids) + step.plain_requests)
-        policy_step = PolicyStep(confidences, curve, step.plain_requests, step.min_tokens_per_s, step.plain_requests)
+        policy_step = PolicyStep(confidences, self.policy_curve, step.base_tokens, step.min_tokens_per_s,
+                                 step.plain_requests)
         verified = np.minimum(decide_lengths(self.policy, policy_step), step.proposed)
         if self._verification_vetoed:  # n-gram rows on a step the check keeps plain
             verified = np.zeros_like(verified)

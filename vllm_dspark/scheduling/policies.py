@@ -336,7 +336,9 @@ def select_verify_lengths(
 
 
 def decide_lengths(policy: VerifyPolicy, step: PolicyStep) -> np.ndarray:
-    """Validate the step's inputs, then ask the policy (empty blocks verify nothing)."""
+    """Validate the step's inputs, then ask the policy (empty blocks verify nothing) about
+    the pass's decoding part: prompt tokens among the other tokens are priced apart
+    (`ranking.decoding_part`), the policy sees only the decoding requests without drafts."""
     if step.base_tokens < 0 or not 0 <= step.plain_requests <= step.base_tokens:
         raise ValueError("need 0 <= plain_requests <= base_tokens (a plain request's token is one of the "
                          f"pass's other tokens), got base_tokens={step.base_tokens}, "
@@ -344,4 +346,6 @@ def decide_lengths(policy: VerifyPolicy, step: PolicyStep) -> np.ndarray:
     c = ranking.check_confidences(step.confidences)
     if c.size == 0:
         return np.zeros(c.shape[0], dtype=np.int64)
-    return policy.lengths(dataclasses.replace(step, confidences=c))
+    prompt_tokens = step.base_tokens - step.plain_requests
+    sps = ranking.decoding_part(step.sps, prompt_tokens, c.shape[0] + step.plain_requests)
+    return policy.lengths(dataclasses.replace(step, confidences=c, sps=sps, base_tokens=step.plain_requests))

@@ -141,6 +141,11 @@ def expected_throughput(
     return tau, pass_sps(sps, base_tokens + ranking.num_requests, len(tau))
 
 
+# The decoding part of a pass with a prompt never costs less than this fraction of the
+# decode-only pass (`decoding_part`).
+MIN_DECODING_FRACTION = 0.5
+
+
 def decoding_part(sps: SpsFunction, prompt_tokens: int, decoding_tokens: int) -> SpsFunction:
     """SPS of the decoding part of a pass that also prefills `prompt_tokens` prompt tokens,
     beside `decoding_tokens` decoding tokens (no drafts): T'(B) = T(B + P) - (T(D + P) - T(D)),
@@ -152,16 +157,19 @@ def decoding_part(sps: SpsFunction, prompt_tokens: int, decoding_tokens: int) ->
     percent survival get verified, each slowing the prefill by a full token's time (traced:
     34 drafts verified in such steps against 17 for vLLM's fixed three-token lookup). The
     prompt's time is spent whatever is verified, so it is taken out; a draft still costs
-    the slope of the curve where the pass really is. Reads only token counts the scheduler
-    knows before any draft is drawn, so the policies stay lossless."""
+    the slope of the curve where the pass really is. A jagged curve can fall beyond the
+    pass by more than a decode step, which no pass does; the decoding part is kept at
+    `MIN_DECODING_FRACTION` of the decode-only step at least. Reads only token counts the
+    scheduler knows before any draft is drawn, so the policies stay lossless."""
     if prompt_tokens <= 0:
         return sps
     decoding = np.asarray(float(decoding_tokens))
-    prompt_s = 1.0 / float(sps(decoding + prompt_tokens)) - 1.0 / float(sps(decoding))
+    decode_only_s = 1.0 / float(sps(decoding))
+    prompt_s = 1.0 / float(sps(decoding + prompt_tokens)) - decode_only_s
 
     def without_prompt(batch_tokens: np.ndarray) -> np.ndarray:
         steps = np.asarray(sps(np.asarray(batch_tokens, dtype=np.float64) + prompt_tokens), dtype=np.float64)
-        return 1.0 / np.maximum(1.0 / steps - prompt_s, 1e-12)
+        return 1.0 / np.maximum(1.0 / steps - prompt_s, MIN_DECODING_FRACTION * decode_only_s)
 
     return without_prompt
 
