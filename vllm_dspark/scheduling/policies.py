@@ -327,7 +327,9 @@ def select_verify_lengths(
     raise ValueError). `sps` maps batch token counts to engine steps per second, e.g. an
     `SpsCurve`. A pass carries `base_tokens` (prefill tokens of other requests) plus one
     token per decoding request plus the verified drafts; `plain_requests` of the
-    base_tokens are decoding requests with no drafts (each emits a token). Options per policy:
+    base_tokens are decoding requests with no drafts (each emits a token). The prefill
+    tokens place the pass on the curve, but their own time is not charged to the drafts
+    (`ranking.decoding_part`). Options per policy:
     fixed: k; threshold: threshold; dspark: none; dspark_async: budget; sla:
     min_tokens_per_s.
     """
