@@ -272,7 +272,7 @@ def test_base_tokens_count_in_the_batch() -> None:
     # One token per request costs little at B = 1 -> 2 and much at B = 10 -> 11.
     curve = SpsCurve(points=[(1, 1.0), (2, 0.8), (10, 0.5), (11, 0.3)])
     assert select_verify_lengths([[0.5]], curve).tolist() == [1]  # 1.5 * .8 > 1
-    assert select_verify_lengths([[0.5]], curve, base_tokens=9).tolist() == [0]  # 1.5*.3 < .5
+    assert select_verify_lengths([[0.5]], curve, base_tokens=9).tolist() == [0]  # 1.5 / (T(11) - T(10) + 1 s) < 1
 
 
 def test_a_prompt_is_priced_apart_from_the_decoding_part_of_its_pass() -> None:
