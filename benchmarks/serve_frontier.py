@@ -237,6 +237,11 @@ def decode_speeds(outputs) -> list[float]:
     return speeds
 
 
+def closed_loop_lengths(max_tokens: int) -> tuple[int, int]:
+    """The least and most output tokens of a closed loop's requests (`output_lengths`)."""
+    return max_tokens // 2, max_tokens * 3 // 2
+
+
 def output_lengths(max_tokens: int, count: int, offset: int, varied: bool) -> list[int]:
     """Output tokens of the prompts offset .. offset + count - 1: max_tokens each in a
     wave; in a closed loop spread evenly over max_tokens / 2 .. 3 max_tokens / 2 and fixed
@@ -245,7 +250,7 @@ def output_lengths(max_tokens: int, count: int, offset: int, varied: bool) -> li
     their prefills into decode steps, which on a CPU alone makes its steps fuller."""
     if not varied:
         return [max_tokens] * count
-    return [random.Random(index).randint(max_tokens // 2, max_tokens * 3 // 2) for index in range(offset, offset + count)]
+    return [random.Random(index).randint(*closed_loop_lengths(max_tokens)) for index in range(offset, offset + count)]
 
 
 def serve_turn(llm, requests: list[tuple[list, object]], concurrency: int) -> dict:

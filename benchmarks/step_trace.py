@@ -184,7 +184,8 @@ def write_report(summaries: dict[str, dict], meta: dict, out: Path) -> None:
         f"{meta['prompts']} prompts, R = {meta['concurrency']}, {meta['repeats']} interleaved "
         + (f"waves of {meta['max_tokens']} greedy tokens per request" if meta.get("requests_per_user", 1) == 1 else
            f"closed-loop turns ({meta['requests_per_user']} requests per user, greedy, output lengths "
-           f"{meta['max_tokens'] // 2}-{meta['max_tokens'] * 3 // 2} tokens as in `serve_frontier.py`; a wave below is a turn)")
+           "{}-{} tokens as in `serve_frontier.py`; a wave below is a turn)".format(
+               *serve_frontier.closed_loop_lengths(meta["max_tokens"])))
         + f", measured {meta['date']} on {meta['hardware']}. "
         "Milliseconds; `plain`, `verify`, `draft` are full-load decode steps (module docstring of "
         "`benchmarks/step_trace.py`), `other` the prefill, ramp and tail. The last columns split the row's summed "

@@ -476,9 +476,7 @@ class VerificationController:
         n-gram acceptance, the drafter's expectation at this depth over recent c_1 values,
         the pass time by drafts verified and the drafting time (hybrid.DrafterSkip)."""
         if (self.ngram is None or not depth or not num_requests or not self.options.ngram_skips_drafter
-                or self.mean_survival is None or self.curve is None):
-            return None
-        if not any(self._first_confidences):
+                or self.mean_survival is None or self.curve is None or not any(self._first_confidences)):
             return None
         # A key not seen yet takes every key's values.
         pooled = [c for recent in self._first_confidences for c in recent] if not all(self._first_confidences) else []
