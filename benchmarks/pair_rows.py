@@ -7,7 +7,10 @@ identical engines differ by 0.95-1.05x. Every row served the same prompts with t
 output lengths in the same order, so its requests also pair one to one with the base
 row's: the median of those ratios, with a bootstrap interval, says how the typical
 request fared, and the pooled median request (every turn's requests together) is the
-per-user speed over all of them rather than over a few turn medians.
+per-user speed over all of them rather than over a few turn medians. The machine's load
+moves whole turns (every request of a turn shares its engine's stretch of time), so the
+interval that resamples requests one by one is too narrow when turns differ; a second one
+resamples whole turns with their requests.
 
 vLLM's own Pareto plot (`vllm bench sweep plot_pareto`) counts per-user speed as output
 throughput over the number of users; in a closed loop each of R users always has a request
@@ -29,10 +32,19 @@ import numpy as np
 RESAMPLES = 2000
 
 
-def median_interval(values: np.ndarray, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """A percentile bootstrap interval of the median of `values`."""
+def median_interval(values: np.ndarray, seed: int = 0, level: float = 0.95, turns: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval of the median of `values`: resampling the values one
+    by one, or, with `turns` > 0, resampling whole turns (`values` holds `turns` equal runs
+    of consecutive values, one per turn)."""
     rng = np.random.default_rng(seed)
-    medians = np.median(rng.choice(values, size=(RESAMPLES, len(values))), axis=1)
+    if turns:
+        if len(values) % turns:
+            raise ValueError(f"{len(values)} values do not split into {turns} equal turns")
+        by_turn = np.asarray(values).reshape(turns, -1)
+        picked = by_turn[rng.integers(0, turns, size=(RESAMPLES, turns))]  # [resample, turn, request]
+        medians = np.median(picked.reshape(RESAMPLES, -1), axis=1)
+    else:
+        medians = np.median(rng.choice(values, size=(RESAMPLES, len(values))), axis=1)
     tail = 100 * (1 - level) / 2
     return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
 
@@ -52,6 +64,7 @@ def compare(row: dict, base: dict) -> dict:
         "requests": len(ratios),
         "requests_median": float(np.median(ratios)),
         "requests_interval": median_interval(ratios),
+        "turns_resampled_interval": median_interval(ratios, turns=len(turns)),
         "pooled_median_ratio": float(np.median(ours) / np.median(theirs)),
         # the same tokens in the same turn of every row: throughput ratio = inverse time ratio
         "throughput_median": statistics.median(
@@ -63,12 +76,14 @@ def report(results: dict[str, list[dict]], base_name: str) -> list[str]:
     base = {row["concurrency"]: row for row in results[base_name]}
     lines = [
         f"Against `{base_name}`: per turn, the ratio of the turns' median requests (median, min-max over turns); "
-        "per request, the median of the requests' speed ratios (95% bootstrap interval); pooled, the ratio of "
+        "per request, the median of the requests' speed ratios (95% bootstrap intervals: requests resampled; "
+        "whole turns resampled, which counts the machine's turn-to-turn drift); pooled, the ratio of "
         "the median requests over every turn; vLLM's per user, the median over turns of the throughput ratio "
         "(output throughput over users, `plot_pareto`'s tokens per user).",
         "",
-        "| configuration | R | per turn | per request (95% interval) | pooled median request | vLLM's per user |",
-        "|---|---|---|---|---|---|",
+        "| configuration | R | per turn | per request (95% interval) | turns resampled | pooled median request "
+        "| vLLM's per user |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, rows in results.items():
         if name == base_name:
@@ -78,8 +93,10 @@ def report(results: dict[str, list[dict]], base_name: str) -> list[str]:
                 continue
             c = compare(row, base[row["concurrency"]])
             (low, high), (first, last) = c["requests_interval"], c["turns_range"]
+            turn_low, turn_high = c["turns_resampled_interval"]
             lines.append(f"| {name} | {c['concurrency']} | {c['turns_median']:.3f}x ({first:.2f}-{last:.2f}) "
                          f"| {c['requests_median']:.3f}x ({low:.3f}-{high:.3f}, {c['requests']} requests) "
+                         f"| {turn_low:.3f}-{turn_high:.3f} "
                          f"| {c['pooled_median_ratio']:.3f}x | {c['throughput_median']:.3f}x |")
     return lines
 

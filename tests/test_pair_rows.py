@@ -19,13 +19,15 @@ def row(r: int, turns: list[float], requests: list[float], seconds: list[float] 
 
 def test_requests_pair_one_to_one_and_turns_by_repeat():
     pair = load_script()
-    base = row(4, [10.0, 20.0], [10.0, 10.0, 20.0, 40.0, 5.0], seconds=[6.0, 8.0])
-    # a row twice as fast on every request but the last, which it halves
-    ours = row(4, [22.0, 40.0], [20.0, 20.0, 40.0, 80.0, 2.5], seconds=[4.0, 5.0])
+    base = row(4, [10.0, 20.0], [10.0, 10.0, 20.0, 40.0, 5.0, 8.0], seconds=[6.0, 8.0])
+    # a row twice as fast on every request but the fifth, which it halves (two turns of three)
+    ours = row(4, [22.0, 40.0], [20.0, 20.0, 40.0, 80.0, 2.5, 16.0], seconds=[4.0, 5.0])
     c = pair.compare(ours, base)
-    assert c["requests"] == 5 and c["requests_median"] == 2.0
+    assert c["requests"] == 6 and c["requests_median"] == 2.0
     low, high = c["requests_interval"]
     assert 0.5 <= low <= 2.0 <= high <= 2.0 + 1e-12
+    turn_low, turn_high = c["turns_resampled_interval"]
+    assert 0.5 <= turn_low <= 2.0 <= turn_high <= 2.0 + 1e-12
     assert c["turns_median"] == pytest.approx(2.1) and c["turns_range"] == pytest.approx((2.0, 2.2))
     assert c["pooled_median_ratio"] == 2.0  # medians 20 against 10
     assert c["throughput_median"] == pytest.approx((6 / 4 + 8 / 5) / 2)  # its turns' times against the base's
@@ -45,6 +47,19 @@ def test_the_bootstrap_interval_narrows_with_more_requests():
     few, many = rng.normal(1.0, 0.1, 12), rng.normal(1.0, 0.1, 480)
     width = [high - low for low, high in (pair.median_interval(few), pair.median_interval(many))]
     assert width[1] < width[0] / 2
+
+
+def test_resampling_whole_turns_counts_their_drift():
+    pair = load_script()
+    rng = np.random.default_rng(2)
+    # six turns of 48 requests; each turn's load moves all its ratios together
+    drift = np.repeat(rng.normal(1.0, 0.05, 6), 48)
+    ratios = drift * rng.normal(1.0, 0.02, 6 * 48)
+    by_request, by_turn = pair.median_interval(ratios), pair.median_interval(ratios, turns=6)
+    assert by_turn[1] - by_turn[0] > 2 * (by_request[1] - by_request[0])
+    assert by_turn[0] <= np.median(ratios) <= by_turn[1]
+    with pytest.raises(ValueError, match="equal turns"):
+        pair.median_interval(ratios[:-1], turns=6)
 
 
 def test_report_lists_every_other_row_at_every_shared_concurrency():
