@@ -33,18 +33,15 @@ RESAMPLES = 2000
 
 
 def median_interval(values: np.ndarray, seed: int = 0, level: float = 0.95, turns: int = 0) -> tuple[float, float]:
-    """A percentile bootstrap interval of the median of `values`: resampling the values one
-    by one, or, with `turns` > 0, resampling whole turns (`values` holds `turns` equal runs
-    of consecutive values, one per turn)."""
-    rng = np.random.default_rng(seed)
-    if turns:
-        if len(values) % turns:
-            raise ValueError(f"{len(values)} values do not split into {turns} equal turns")
-        by_turn = np.asarray(values).reshape(turns, -1)
-        picked = by_turn[rng.integers(0, turns, size=(RESAMPLES, turns))]  # [resample, turn, request]
-        medians = np.median(picked.reshape(RESAMPLES, -1), axis=1)
-    else:
-        medians = np.median(rng.choice(values, size=(RESAMPLES, len(values))), axis=1)
+    """A percentile bootstrap interval of the median of `values`, resampling whole turns:
+    `values` holds `turns` equal runs of consecutive values, one per turn (0: every value
+    is a turn of its own, i.e. values resampled one by one)."""
+    turns = turns or len(values)
+    if len(values) % turns:
+        raise ValueError(f"{len(values)} values do not split into {turns} equal turns")
+    by_turn = np.asarray(values).reshape(turns, -1)
+    picked = by_turn[np.random.default_rng(seed).integers(0, turns, size=(RESAMPLES, turns))]  # [resample, turn, value]
+    medians = np.median(picked.reshape(RESAMPLES, -1), axis=1)
     tail = 100 * (1 - level) / 2
     return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
 
