@@ -230,12 +230,10 @@ class PluginOptions(BaseModel):
     # at 0.93-1.04x (benchmarks/results/closed_loop/README.md).
     check_each_request: bool = False
     # With the check and hybrid proposals: also stop drafting (n-gram continuations still
-    # verified) at a load where steps with the drafter have measurably realized less than
-    # steps with n-gram proposals alone (scheduling/realized.py, `drafter_vetoes`). Off by
-    # default: on SmolLM2 it changed nothing beyond the waves' spread, on code or chat at
-    # R = 1, 4 or 16 (benchmarks/results/drafter_check_ab/); in a closed loop it gained 2%
-    # on code at R = 16 and lost 4-22% everywhere else (its steps without the drafter
-    # include those the drafter skip chose, benchmarks/results/closed_loop/README.md).
+    # verified) at a load where the hybrid's steps have measurably realized less than its
+    # reference steps without the drafter, both chosen by count (scheduling/realized.py,
+    # `drafter_vetoes`). Off by default: where the drafter pays it never vetoes and its
+    # reference steps only cost (benchmarks/results/closed_loop/README.md).
     check_drafter_against_ngram: bool = False
     # A step that drafts nothing queues its context K/V, written in one batch before the
     # drafter next drafts (integration/deferred_context.py); false writes it every step.

@@ -75,7 +75,7 @@ from vllm_dspark.scheduling.policies import (
     policy_from_options,
 )
 from vllm_dspark.scheduling.ranking import SpsFunction
-from vllm_dspark.scheduling.realized import RealizedSpeed, StepRecord, load_bucket
+from vllm_dspark.scheduling.realized import DrafterRole, RealizedSpeed, StepRecord, load_bucket
 from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
 from vllm_dspark.scheduling.sps import SpsCurve
 from vllm_dspark.scheduling.stats import DSparkStats
@@ -276,6 +276,7 @@ class VerificationController:
         checks_drafter = self.ngram is not None and options.check_drafter_against_ngram
         self.realized = RealizedSpeed(options.check_each_request, checks_drafter) if checks else None
         self._drafter_reference_left = 0  # steps still to plan without the drafter for its check
+        self._after_drafter_reference = False  # the step now scheduled follows that check's reference
         self._verification_vetoed = False
         # This step's decision with its prefix survival, raw confidences, greedy mask and
         # n-gram match lengths.
@@ -428,10 +429,14 @@ class VerificationController:
 
     # --------------------------------------------------------------- drafting
     def plan_drafting(self, num_requests: int) -> DraftPlan:
-        """How deep the next step drafts for `num_requests` requests, from past steps only
-        (the drafts it plans do not exist yet, so this cannot anticipate them)."""
+        """How deep the step just scheduled drafts for `num_requests` requests (its drafts
+        are verified in the next step), from past steps only (the drafts it plans do not
+        exist yet, so this cannot anticipate them)."""
         self._planned_steps += 1
         self._verification_vetoed = False
+        if self._after_drafter_reference:  # it drafts, but verifies none of the drafter's drafts
+            self._after_drafter_reference = False
+            self._mark_step(DrafterRole.BESIDE_REFERENCE)
         depth = self.policy.max_draft_depth(self.block)
         if not self.options.adaptive_drafting:
             self.stats.record_plan(depth)
@@ -444,8 +449,11 @@ class VerificationController:
             return DraftPlan(0, 0.0, None)
         if self._checks_drafter and num_requests and (
                 self._drafter_reference_left or self.realized.drafter_reference_due(num_requests)):
-            # Two steps without the drafter, n-gram continuations verified (realized.py).
+            # Two steps without the drafter, n-gram continuations verified: the first still
+            # verifies its drafts, the second is the reference (realized.py).
             self._drafter_reference_left = (self._drafter_reference_left or 2) - 1
+            self._after_drafter_reference = not self._drafter_reference_left
+            self._mark_step(DrafterRole.REFERENCE if self._after_drafter_reference else DrafterRole.BESIDE_REFERENCE)
             self.stats.drafter_reference_steps += 1
             self.stats.record_plan(0)
             return DraftPlan(0, 0.0, None)
@@ -469,6 +477,11 @@ class VerificationController:
         # A probe measures the drafter, so the worker must not leave it out.
         skip = None if probing else self._drafter_skip(num_requests, depth)
         return DraftPlan(depth, floor if depth else 0.0, skip)
+
+    def _mark_step(self, role: DrafterRole) -> None:
+        """Tell the drafter's check what the step just scheduled (if timed) samples."""
+        if self._previous_step is not None and self._previous_step[2] is not None:
+            self._previous_step[2].drafter_role = role
 
     def _drafter_skip(self, num_requests: int, depth: int) -> hybrid.DrafterSkip | None:
         """What the worker needs to leave the drafter out where the step is predicted to

@@ -52,27 +52,30 @@ With n-gram proposals the check above judges both sources together, and n-gram
 continuations, which cost no drafting, can carry a drafter that does not pay for itself:
 at 16 requests on code the hybrid's check vetoed 18% of the steps while the drafter ran on
 39% of them for 4.8 ms a step, where the drafter alone was vetoed on 75% (serving
-frontier, 2026-12-05). So, with `check_drafter_against_ngram` (off by default: in an A/B
-it changed nothing beyond the waves' spread, benchmarks/results/drafter_check_ab/),
-`drafter_vetoes` compares the drafter with the n-gram proposals alone: the gains of steps with the drafter (it ran in them, or some request verified its
-drafts) against those of the other steps the check did not keep plain (n-gram rows
-verified, or nothing: there every request gains one token in a plain pass). Once the
-drafter's recent gains lie below the others' by `CONFIDENCE` standard errors (of the
-difference), that load stops drafting but goes on verifying n-gram continuations; the
-drafter comes back, as above, once the last `LIFT_PROBES` probes' steps gained more than
-the n-gram steps by a standard error. A step without the drafter needs two in a row that
-do not draft (the first still verifies the drafts of the step before it), which steady
-drafting never has; so after `REFERENCE_INTERVAL` steps with the drafter and none without,
-`drafter_reference_due` asks the controller for two such steps. The other steps include
-those the drafter skip (hybrid.DrafterSkip) left the drafter out of because copying was
-predicted to serve more there: a sample chosen by content, which makes the drafter look
-worse than it is and is why the option costs at low load (closed loop, 2026-12-06:
-vetoes on 84-88% of the steps at one and four requests on code, 0.78x and 0.92x the
-default). Judging the drafter on the reference steps alone would remove that choice.
+frontier, 2026-12-05). So, with `check_drafter_against_ngram`, `drafter_vetoes` compares
+the hybrid as its model decides with n-gram proposals alone, at each load: two samples of
+steps, both chosen by count, never by content. The hybrid's sample is every step the
+check leaves to the model (the drafter run, or left out by the drafter skip,
+hybrid.DrafterSkip). The reference is a step without the drafter: after
+`REFERENCE_INTERVAL` steps of the hybrid, `drafter_reference_due` asks the controller for
+two steps that do not draft; the first still verifies the drafts of the step before it and
+the step after them drafts without verifying any (half the drafter's work each, counted in
+neither sample), the second is the reference (`DrafterRole`). Once the hybrid's recent
+gains lie below the references' by `CONFIDENCE` standard errors (of the difference), that
+load stops drafting but goes on verifying n-gram continuations; every step is then a step
+without the drafter by count, and the drafter comes back, as above, once the last
+`LIFT_PROBES` probes' steps gained more than those by a standard error.
+
+The first version took as its reference every step without the drafter, those the skip
+left it out of included: the skip leaves the drafter out where copying is predicted to
+serve more, so that sample was chosen by content and the drafter looked worse than it is
+(closed loop, 2026-12-06: vetoes on 84-88% of the steps at one and four requests on code,
+0.78x and 0.92x the default).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -122,6 +125,14 @@ def load_bucket(num_requests: int) -> int:
     return max(0, int(num_requests).bit_length() - 1)
 
 
+class DrafterRole(enum.Enum):
+    """What a step samples for the drafter's check (module docstring)."""
+
+    AS_DECIDED = "as decided"  # the hybrid as its model decides
+    REFERENCE = "reference"  # without the drafter by count: n-gram proposals alone
+    BESIDE_REFERENCE = "beside a reference"  # half the drafter's work: in neither sample
+
+
 @dataclass
 class StepRecord:
     """One decode step, filled in as its parts become known."""
@@ -143,6 +154,7 @@ class StepRecord:
     # The check itself kept the step plain (a veto or a reference step): no sample of
     # what the n-gram proposals alone realize.
     kept_plain: bool = False
+    drafter_role: DrafterRole = DrafterRole.AS_DECIDED
     folded: bool = False
 
 
@@ -179,40 +191,47 @@ def _probe_window() -> deque:
 def _lifts(window: deque, bar: float) -> tuple[bool, float, float, int]:
     """(whether the probes' steps in a full `window` gained more than `bar` by
     LIFT_CONFIDENCE standard errors, their mean gain, its error, their count)."""
+    if len(window) < window.maxlen:
+        return False, np.nan, np.nan, len(window)
     gains = np.array(window)
     mean, error = gains.mean(), gains.std() / np.sqrt(len(gains))
-    return len(gains) == window.maxlen and mean - LIFT_CONFIDENCE * error >= bar, mean, error, len(gains)
+    return mean - LIFT_CONFIDENCE * error >= bar, mean, error, len(gains)
 
 
 @dataclass
 class _DrafterVerdict:
-    """Per load: the drafter's steps against the steps without it (module docstring)."""
+    """Per load: the hybrid's steps as decided against steps without the drafter (module
+    docstring)."""
 
-    with_drafter: _Gains = field(default_factory=_Gains)
+    hybrid: _Gains = field(default_factory=_Gains)  # its steps as decided
     without: _Gains = field(default_factory=_Gains)
-    recent: deque = field(default_factory=_probe_window)
+    recent: deque = field(default_factory=_probe_window)  # probes' steps under a veto
     vetoed: bool = False
-    with_since_without: int = 0  # steps with the drafter since the last one without it
+    since_reference: int = 0  # the hybrid's steps since the last reference
 
     def add(self, gain: float, step: StepRecord) -> None:
-        if step.drafted or step.verified_drafter:
-            self.with_drafter.add(gain)
-            self.recent.append(gain)
-            self.with_since_without += 1
-        elif not step.kept_plain:
+        if step.kept_plain:
+            return
+        drafter_in_step = step.drafted or step.verified_drafter
+        if self.vetoed:  # probes against the steps between them, left without it by the veto
+            (self.recent.append if drafter_in_step else self.without.add)(gain)
+        elif step.drafter_role is DrafterRole.REFERENCE and not drafter_in_step:
             self.without.add(gain)
-            self.with_since_without = 0
+            self.since_reference = 0
+        elif step.drafter_role is DrafterRole.AS_DECIDED:
+            self.hybrid.add(gain)
+            self.since_reference += 1
 
     def judge(self) -> tuple[bool, float, float, float]:
-        """(whether the verdict changes, the drafter's gain, its margin of error, the
-        n-gram steps' gain)."""
-        if self.with_drafter.weight == 0.0 or self.without.weight == 0.0:
+        """(whether the verdict changes, the hybrid's gain (its probes' under a veto), its
+        margin of error, the gain without the drafter)."""
+        if self.without.weight == 0.0 or (self.hybrid.weight == 0.0 and not self.vetoed):
             return False, np.nan, np.nan, np.nan
         without, without_error, without_count = self.without.mean_and_error()
         if self.vetoed:  # the last probes' steps alone
             lifted, mean, error, _ = _lifts(self.recent, without)
             return lifted, mean, error, without
-        mean, error, count = self.with_drafter.mean_and_error()
+        mean, error, count = self.hybrid.mean_and_error()
         error = float(np.hypot(error, without_error))
         enough = min(count, without_count) >= MIN_SPECULATIVE_STEPS
         return enough and mean + CONFIDENCE * error < without, mean, error, without
@@ -335,19 +354,20 @@ class RealizedSpeed:
         return bucket.vetoed
 
     def drafter_reference_due(self, num_requests: int) -> bool:
-        """True (once) where the last REFERENCE_INTERVAL steps at this load all had the
-        drafter: the caller leaves it out of the next two steps (module docstring). Never
-        where the load is kept plain (those steps would verify n-gram rows)."""
+        """True (once) where the last REFERENCE_INTERVAL steps of the hybrid at this load
+        had no reference among them: the caller leaves the drafter out of the next two
+        steps (module docstring). Never where the load is kept plain (those steps would
+        verify n-gram rows)."""
         bucket = self._buckets.get(load_bucket(num_requests))
-        if bucket is None or bucket.vetoed or bucket.drafter.with_since_without < REFERENCE_INTERVAL:
+        if bucket is None or bucket.vetoed or bucket.drafter.since_reference < REFERENCE_INTERVAL:
             return False
-        bucket.drafter.with_since_without = 0
+        bucket.drafter.since_reference = 0
         return True
 
     def drafter_vetoes(self, num_requests: int) -> bool:
-        """The drafter's verdict at this load (hybrid): True where its steps have
-        measurably realized less than the steps verifying n-gram continuations alone
-        (module docstring). Each change is logged."""
+        """The drafter's verdict at this load (hybrid): True where the hybrid's steps have
+        measurably realized less than its reference steps without the drafter (module
+        docstring). Each change is logged."""
         index = load_bucket(num_requests)
         bucket = self._buckets.get(index)
         if bucket is None:
@@ -357,12 +377,12 @@ class RealizedSpeed:
         if changed:
             verdict.vetoed = not verdict.vetoed
             logger.info(
-                "vllm_dspark: at %d-%d requests steps with the drafter realized %.2fx (+- %.2f) the per-request "
-                "speed of plain ones, steps with n-gram proposals alone %.2fx: %s", 2**index, 2 ** (index + 1) - 1,
+                "vllm_dspark: at %d-%d requests the hybrid's steps realized %.2fx (+- %.2f) the per-request "
+                "speed of plain ones, its steps without the drafter %.2fx: %s", 2**index, 2 ** (index + 1) - 1,
                 mean, error, without,
                 "n-gram proposals alone, probing the drafter now and then" if verdict.vetoed
                 else "drafting as the model decides",
             )
-            verdict.with_drafter = _Gains()
+            verdict.hybrid = _Gains()
             verdict.recent.clear()
         return verdict.vetoed
