@@ -58,10 +58,10 @@ def _engine_families(engine: int, stats: DSparkStats) -> list:
          stats.vetoed_steps),
         ("reference_steps", "Plain steps taken so that a load where every step verified has a plain reference",
          stats.reference_steps),
-        ("drafter_vetoed_steps", "Steps not drafting because steps with the drafter measured slower than steps "
-         "with n-gram proposals alone", stats.drafter_vetoed_steps),
-        ("drafter_reference_steps", "Steps not drafting so that steps with the drafter can be compared with steps "
-         "without it", stats.drafter_reference_steps),
+        ("drafter_vetoed_steps", "Steps not drafting because the hybrid's steps measured slower than steps "
+         "without the drafter", stats.drafter_vetoed_steps),
+        ("drafter_reference_steps", "Steps not drafting so that the hybrid's steps can be compared with steps "
+         "without the drafter", stats.drafter_reference_steps),
         ("drafter_skipped_steps", "Steps the drafter was left out, predicted faster with n-gram continuations alone",
          stats.drafter_skipped_steps),
     ]:
