@@ -103,7 +103,7 @@ class DSparkStats:
             f"{self.reference_steps} plain reference steps"
             + (f", n-gram drafts proposed {self.ngram_proposed}, verified {self.ngram_verified}, "
                f"accepted {self.ngram_accepted}, drafter left out on {self.drafter_skipped_steps} steps, "
-               f"not drafting on {self.drafter_vetoed_steps} steps where n-gram proposals alone measured faster "
+               f"not drafting on {self.drafter_vetoed_steps} steps where steps without the drafter measured faster "
                f"and on {self.drafter_reference_steps} reference steps for that check"
                if self.ngram_proposed else "")
             + "".join(
