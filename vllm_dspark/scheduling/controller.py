@@ -275,8 +275,9 @@ class VerificationController:
         checks = options.check_realized_speed and options.adaptive_drafting and can_time_steps and curve is not None
         checks_drafter = self.ngram is not None and options.check_drafter_against_ngram
         self.realized = RealizedSpeed(options.check_each_request, checks_drafter) if checks else None
-        self._drafter_reference_left = 0  # steps still to plan without the drafter for its check
-        self._after_drafter_reference = False  # the step now scheduled follows that check's reference
+        # Steps of the drafter check's reference still to plan: two without the drafter, then
+        # the one after them (realized.py).
+        self._drafter_reference_left = 0
         self._verification_vetoed = False
         # This step's decision with its prefix survival, raw confidences, greedy mask and
         # n-gram match lengths.
@@ -434,8 +435,8 @@ class VerificationController:
         exist yet, so this cannot anticipate them)."""
         self._planned_steps += 1
         self._verification_vetoed = False
-        if self._after_drafter_reference:  # it drafts, but verifies none of the drafter's drafts
-            self._after_drafter_reference = False
+        if self._drafter_reference_left == 1:  # it drafts, but verifies none of the drafter's drafts
+            self._drafter_reference_left = 0
             self._mark_step(DrafterRole.BESIDE_REFERENCE)
         depth = self.policy.max_draft_depth(self.block)
         if not self.options.adaptive_drafting:
@@ -451,9 +452,8 @@ class VerificationController:
                 self._drafter_reference_left or self.realized.drafter_reference_due(num_requests)):
             # Two steps without the drafter, n-gram continuations verified: the first still
             # verifies its drafts, the second is the reference (realized.py).
-            self._drafter_reference_left = (self._drafter_reference_left or 2) - 1
-            self._after_drafter_reference = not self._drafter_reference_left
-            self._mark_step(DrafterRole.REFERENCE if self._after_drafter_reference else DrafterRole.BESIDE_REFERENCE)
+            self._drafter_reference_left = (self._drafter_reference_left or 3) - 1
+            self._mark_step(DrafterRole.REFERENCE if self._drafter_reference_left == 1 else DrafterRole.BESIDE_REFERENCE)
             self.stats.drafter_reference_steps += 1
             self.stats.record_plan(0)
             return DraftPlan(0, 0.0, None)
