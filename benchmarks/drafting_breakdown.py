@@ -1,8 +1,11 @@
 """Where a speculative step's time goes, per stage, in the real engine (CPU).
 
-For each configuration and concurrency R, one wave of R chat prompts (greedy, fixed output
-length) runs under cProfile in a fresh engine process, after a warm-up wave; the stages are
-read from the profile as milliseconds per engine step:
+For each configuration and concurrency R, one wave of R prompts (greedy, fixed output
+length; `--prompts`, mixed by default) runs under cProfile in a fresh engine process, after
+a warm-up wave; with `--requests-per-user` above 1 a closed-loop turn as `serve_frontier.py`
+serves it instead (steps that draft nothing then queue their context, and prompts arrive
+between decoding steps). The stages are read from the profile as milliseconds per engine
+step:
 
     target forward       the target's pass (verification included)
     drafter backbone     the drafter's forward pass over the query block
@@ -24,6 +27,10 @@ Writes benchmarks/results/drafting_breakdown.{json,md}.
 
     git archive be23e44 examples/drafters/smollm2-dspark-b7 | tar -x -C runs/previous   # full vocabulary
     python benchmarks/drafting_breakdown.py --full-vocab-drafter runs/previous/examples/drafters/smollm2-dspark-b7
+    python benchmarks/drafting_breakdown.py --concurrency 16 --prompts code --requests-per-user 3 --max-tokens 64 \
+        --only "4096-word vocabulary, dspark + n-gram (the default)" \
+        "4096-word vocabulary, dspark + n-gram, context projection in float32" \
+        --out benchmarks/results/context_projection/closed_loop_breakdown
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ ALLOCATIONS = RESULTS / "drafting_allocations.json"  # the allocation lever's bo
 STAGES: dict[str, list[tuple[str, str]]] = {
     "target forward": [("gpu_model_runner.py", "_model_forward")],
     "drafter backbone": [("qwen3_dflash.py", "forward")],
-    "context K/V": [("qwen3_dflash.py", "combine_hidden_states"), ("qwen3_dflash.py", "precompute_and_store_context_kv")],
+    "context K/V": [("draft_model.py", "combine_hidden_states"), ("qwen3_dflash.py", "precompute_and_store_context_kv")],
     "LM head": [("draft_model.py", "draft_logits")],
     "Markov bias": [("heads.py", "step")],
     "confidence": [("heads.py", "logit")],
@@ -66,6 +73,9 @@ FULL_ALL_K = "full vocabulary, drafting all K (where it started)"
 FULL_ADAPTIVE = "full vocabulary, adaptive drafting"
 REDUCED_ALL_K = "{vocab}-word vocabulary, drafting all K"
 SERVED = "{vocab}-word vocabulary, adaptive drafting (served)"
+REDUCED_ALL_K_FLOAT32_CONTEXT = "{vocab}-word vocabulary, drafting all K, context projection in float32"
+HYBRID = "{vocab}-word vocabulary, dspark + n-gram (the default)"
+HYBRID_FLOAT32_CONTEXT = "{vocab}-word vocabulary, dspark + n-gram, context projection in float32"
 ROWS: list[tuple[str, str, str]] = [
     ("no-spec", "served", "no-spec"),
     (FLOOR, "served", "never drafting (fixed k=0)"),
@@ -73,8 +83,11 @@ ROWS: list[tuple[str, str, str]] = [
     (FULL_ALL_K, "full", "dspark, drafting all K"),
     (FULL_ADAPTIVE, "full", "dspark"),
     (REDUCED_ALL_K, "served", "dspark, drafting all K"),
+    (REDUCED_ALL_K_FLOAT32_CONTEXT, "served", "dspark, drafting all K, context projection in float32"),
     (SERVED, "served", "dspark"),
     ("{vocab}-word vocabulary, fixed k=1", "served", "fixed-k1 (MTP-1-like)"),
+    (HYBRID, "served", "dspark + n-gram"),
+    (HYBRID_FLOAT32_CONTEXT, "served", "dspark + n-gram, context projection in float32"),
 ]
 
 
@@ -102,20 +115,32 @@ def cumulative_ms(stats: pstats.Stats, targets: list[tuple[str, str]]) -> float:
     return 1000.0 * total
 
 
-def profile_configuration(target: str, settings: dict, concurrency: int, max_tokens: int) -> dict:
+def profile_configuration(target: str, settings: dict, concurrency: int, max_tokens: int, prompt_set: str = "mixed",
+                          requests_per_user: int = 1) -> dict:
+    """One configuration's stages per engine step over a profiled turn after a warm-up
+    turn: a wave of `concurrency` prompts, or with `requests_per_user` > 1 a closed loop
+    as `serve_frontier.py` serves it (output lengths spread, each finished request
+    replaced at once), where steps that draft nothing queue their context and prompts
+    arrive between decoding steps."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    from serve_frontier import engine_kwargs, eval_prompts  # benchmarks/ is the script directory
+    from serve_frontier import engine_kwargs, eval_prompts, output_lengths, serve_turn  # benchmarks/ is the script directory
 
     llm = LLM(model=target, **engine_kwargs(max(concurrency, 1)), **settings)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    prompts = eval_prompts(concurrency)
-    llm.chat(prompts, params, use_tqdm=False)  # warm-up: the plugin learns its costs here
+    count = concurrency * requests_per_user
+
+    def turn(offset: int) -> dict:
+        lengths = output_lengths(max_tokens, count, offset, varied=requests_per_user > 1)
+        requests = [(prompt, SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True))
+                    for prompt, length in zip(eval_prompts(count, prompt_set, offset), lengths)]
+        return serve_turn(llm, requests, concurrency)
+
+    turn(0)  # warm-up: the plugin learns its costs here
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
-    llm.chat(prompts, params, use_tqdm=False)
+    served = turn(count if requests_per_user > 1 else 0)
     profiler.disable()
     wave = time.perf_counter() - start
     stats = pstats.Stats(profiler)
@@ -124,7 +149,7 @@ def profile_configuration(target: str, settings: dict, concurrency: int, max_tok
     row["sampling etc."] = row["sequential stage"] - row["LM head"] - row["Markov bias"] - row["confidence"]
     row["step"] = 1000.0 * wave / steps
     row["steps"] = steps
-    row["per_user_tok_s"] = max_tokens / wave
+    row["per_user_tok_s"] = served["median_user_tok_s"] if requests_per_user > 1 else max_tokens / wave
     return row
 
 
@@ -148,6 +173,14 @@ def lever_rows(rows: dict[str, dict], vocab: str, allocations_ms: float | None) 
         lines.append(f"| steps that draft nothing run as plain ones (deferred context, no rejection sampler) | built | "
                      f"step {before['step']:.1f} -> {floor['step']:.1f} ms, context K/V {before['context K/V']:.1f} -> {floor['context K/V']:.1f} ms, "
                      f"rejection sampler {before['rejection sampler']:.1f} -> {floor['rejection sampler']:.1f} ms |")
+    pairs = [(REDUCED_ALL_K_FLOAT32_CONTEXT, REDUCED_ALL_K, "all K drafted"), (HYBRID_FLOAT32_CONTEXT, HYBRID, "the default hybrid")]
+    for before_label, after_label, which in pairs:
+        float32_context, bfloat16_context = rows.get(before_label.format(vocab=vocab)), rows.get(after_label.format(vocab=vocab))
+        if float32_context and bfloat16_context:
+            lines.append(f"| the context projection (`fc`) in bfloat16 (`context_projection`, auto) | built | context K/V "
+                         f"{float32_context['context K/V']:.2f} -> {bfloat16_context['context K/V']:.2f} ms, drafting "
+                         f"{float32_context['drafting total']:.2f} -> {bfloat16_context['drafting total']:.2f} ms, step "
+                         f"{float32_context['step']:.1f} -> {bfloat16_context['step']:.1f} ms ({which}) |")
     if served and all_k:
         lines.append(f"| Markov bias on the top-k of the base logits only | not built | at most its whole bias: {served['Markov bias']:.2f} ms "
                      f"served, {all_k['Markov bias']:.2f} ms with all K drafted |")
@@ -160,6 +193,16 @@ def lever_rows(rows: dict[str, dict], vocab: str, allocations_ms: float | None) 
     return lines
 
 
+def turn_description(meta: dict) -> str:
+    """How the profiled turn served its requests, for the report's header."""
+    per_user = meta.get("requests_per_user", 1)
+    if per_user == 1:
+        return f"{meta['max_tokens']} greedy tokens per request, one profiled wave after a warm-up wave"
+    return (f"greedy, a closed loop of R users with {per_user} requests each (output lengths spread over half to 1.5 times "
+            f"{meta['max_tokens']} tokens, as in `serve_frontier.py`), one profiled turn after a warm-up turn; per-user tok/s "
+            "is the median request's tokens over its end-to-end time")
+
+
 def write(results: dict, meta: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     allocations = {row["requests"]: row["allocations_alone_ms"]
@@ -169,8 +212,8 @@ def write(results: dict, meta: dict, out: Path) -> None:
                "Markov bias", "confidence", "sampling etc.", "host copies", "rejection sampler", "scheduler"]
     lines = [
         "# Drafting breakdown (real engine under cProfile, CPU)", "",
-        f"Target {meta['target']}, K = {meta['k']}, {meta['max_tokens']} greedy tokens per request, one profiled "
-        f"wave after a warm-up wave; milliseconds per engine step. Measured {meta['date']} on {meta['hardware']}. "
+        f"Target {meta['target']}, K = {meta['k']}, {meta['prompts']} prompts, {turn_description(meta)}; milliseconds "
+        f"per engine step. Measured {meta['date']} on {meta['hardware']}. "
         "`drafting / plain step` is the drafting total over the no-speculation step of the same R.", "",
     ]
     for r, rows in results.items():
@@ -195,6 +238,10 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=7)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--prompts", default="mixed", help="eval prompt set (serve_frontier.py's --prompts)")
+    parser.add_argument("--requests-per-user", type=int, default=1,
+                        help="1: a wave of R prompts; more: a closed loop of R users, this many requests each")
+    parser.add_argument("--only", nargs="+", default=None, help="run only these rows (labels as in the report)")
     parser.add_argument("--out", type=Path, default=RESULTS / "drafting_breakdown")
     args = parser.parse_args()
 
@@ -203,16 +250,18 @@ def main() -> int:
 
     target = args.target or str(smollm2_checkpoint())
     results: dict[str, dict[str, dict]] = {}
-    plan = configurations(args.drafter, args.full_vocab_drafter, args.k)
+    plan = {name: settings for name, settings in configurations(args.drafter, args.full_vocab_drafter, args.k).items()
+            if not args.only or name in args.only}
     for r in args.concurrency:
         results[str(r)] = {}
         for name, settings in plan.items():
             with multiprocessing.get_context("spawn").Pool(1) as pool:
-                row = pool.apply(profile_configuration, (target, settings, r, args.max_tokens))
+                row = pool.apply(profile_configuration, (target, settings, r, args.max_tokens, args.prompts, args.requests_per_user))
             results[str(r)][name] = row
             print(f"R={r} {name}: step {row['step']:.1f} ms, drafting {row['drafting total']:.1f} ms", flush=True)
     meta = {"target": target, "drafter": args.drafter, "full_vocab_drafter": args.full_vocab_drafter, "k": args.k, "vocab": draft_vocab_label(args.drafter),
-            "max_tokens": args.max_tokens, "hardware": hardware_name(), "date": time.strftime("%Y-%m-%d %H:%M")}
+            "max_tokens": args.max_tokens, "prompts": args.prompts, "requests_per_user": args.requests_per_user,
+            "hardware": hardware_name(), "date": time.strftime("%Y-%m-%d %H:%M")}
     write(results, meta, args.out)
     print(f"wrote {args.out.with_suffix('.md')}")
     return 0

@@ -138,6 +138,10 @@ def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str 
                                                          **PLAIN_STEPS_AS_BEFORE),
         "dspark + n-gram, drafter never left out": dspark(policy="dspark", **curve, hybrid_ngram=True,
                                                           ngram_skips_drafter=False),
+        "dspark + n-gram, context projection in float32": dspark(policy="dspark", **curve, hybrid_ngram=True,
+                                                                 context_projection="float32"),
+        "dspark, drafting all K, context projection in float32": dspark(policy="dspark", **curve, adaptive_drafting=False,
+                                                                        context_projection="float32"),
         "sla, 8 tok/s floor": dspark(policy="sla", **curve, min_tokens_per_s=8.0),
         "sla, 16 tok/s floor": dspark(policy="sla", **curve, min_tokens_per_s=16.0),
     } | ({} if reduced is None else {

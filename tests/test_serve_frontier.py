@@ -26,7 +26,8 @@ def test_configurations_are_valid_plugin_settings():
         if plugin is not None:
             options = PluginOptions.from_additional_config(plugin)  # raises on a bad setting
             assert settings["speculative_config"]["method"] == "vllm_dspark", name
-            assert options.adaptive_drafting == (name != "dspark, drafting all K")
+            assert options.adaptive_drafting == ("drafting all K" not in name)
+            assert options.context_projection == ("float32" if "context projection in float32" in name else "auto")
             assert (settings["speculative_config"]["model"] == "REDUCED") == ("reduced" in name)
             assert options.hybrid_ngram == ("n-gram" in name)
             if options.policy != "fixed":  # priced on the engine's own start-up profile, as served
@@ -163,6 +164,8 @@ def test_drafting_breakdown_rows_name_the_drafter_they_serve(tmp_path: Path):
     assert models["full vocabulary, drafting all K (where it started)"] == "FULL"
     assert models["4096-word vocabulary, adaptive drafting (served)"] == str(served)
     assert PluginOptions.from_additional_config(rows["4096-word vocabulary, drafting all K"]["additional_config"]).adaptive_drafting is False
+    float32_context = PluginOptions.from_additional_config(rows[breakdown.REDUCED_ALL_K_FLOAT32_CONTEXT.format(vocab=4096)]["additional_config"])
+    assert (float32_context.adaptive_drafting, float32_context.context_projection) == (False, "float32")
     without_full = breakdown.configurations(str(served), None, 7)
     assert not any(name.startswith("full vocabulary") for name in without_full)
 
@@ -184,6 +187,9 @@ def test_drafting_breakdown_lever_rows_read_the_measured_rows():
     assert "at most its whole bias: 0.10 ms served, 0.40 ms with all K drafted" in text  # not built: its bound
     assert "at most 0.11 ms" in text
     assert not any("deferred context" in line for line in lines)  # its two floor rows were not measured
+    assert not any("bfloat16" in line for line in lines)
+    rows[breakdown.REDUCED_ALL_K_FLOAT32_CONTEXT.format(vocab="4096")] = {"step": 63.0, "drafting total": 10.5, "context K/V": 3.5}
+    assert "context K/V 3.50 -> 1.00 ms, drafting 10.50 -> 8.00 ms, step 63.0 -> 60.0 ms (all K drafted)" in "\n".join(breakdown.lever_rows(rows, "4096", None))
     assert not any("allocations" in line for line in breakdown.lever_rows(rows, "4096", None))
 
 
