@@ -14,6 +14,7 @@ about half for it; only the drafts' rounding changes, never what verification ac
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
@@ -25,6 +26,8 @@ from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 from vllm_dspark.config import DrafterConfig, PluginOptions
 from vllm_dspark.model.drafter import target_ids_of
 from vllm_dspark.model.heads import ConfidenceHead, MarkovHead, build_markov_head
+
+logger = logging.getLogger(__name__)
 
 HEAD_PREFIXES = ("markov_head.", "confidence_head.")
 
@@ -108,11 +111,13 @@ class VllmDSparkDraftModel(DFlashQwen3ForCausalLM):
 
         super().load_weights(backbone_weights())
         self.fc_dtype, self._fc_product = None, None
-        if self.model.use_aux_hidden_state:  # before vLLM's post-processing may pack the weight away
-            weight = self.model.fc.weight
+        weight = getattr(self.model.fc, "weight", None) if self.model.use_aux_hidden_state else None
+        if weight is not None and weight.is_floating_point():  # before vLLM's post-processing may pack it away
             self.fc_dtype = context_projection_dtype(self.context_projection, weight.dtype, weight.device)
             if self.fc_dtype != weight.dtype:
                 self._fc_product = product_in(weight, self.fc_dtype)
+            logger.info("vllm_dspark: the drafter's context projection computes in %s (context_projection=%s)",
+                        str(self.fc_dtype).removeprefix("torch."), self.context_projection)
         self.draft_ids = None
         if self.draft_id_to_target_id is not None:  # a reduced draft vocabulary (d2t loaded)
             self.draft_ids = target_ids_of(self.draft_id_to_target_id.data, self.dspark_config.vocab_size)
