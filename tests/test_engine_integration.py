@@ -361,7 +361,7 @@ def test_hybrid_proposals_keep_greedy_outputs_and_are_counted_by_source(tiny_tar
     llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": options})
     controller = engine_scheduler(llm).controller
     if drafting == "never-drafting":
-        controller.plan_drafting = lambda num_requests: DraftPlan(0, 0.0)
+        controller.plan_drafting = lambda num_requests, with_drafter=None: DraftPlan(0, 0.0)
     elif drafting == "drafter-left-out-for-ngram":
         # Any continuation beats the drafter's 0.5 expected drafts, which pay for its pass
         # (0.1 ms on a 10 ms step) only where some request has none.
@@ -382,6 +382,51 @@ def test_hybrid_proposals_keep_greedy_outputs_and_are_counted_by_source(tiny_tar
                if f.name == "vllm_dspark_source_draft_tokens" for s in f.samples}
     assert samples[("ngram", "accepted")] == stats.ngram_accepted
     assert samples[("drafter", "verified")] + samples[("ngram", "verified")] == stats.verified
+
+
+@pytest.mark.parametrize("admitted", ["none", "every-other"])
+def test_requests_admitted_without_the_drafter_verify_continuations_only(tiny_target, fitted_drafter, admitted,
+                                                                        monkeypatch):
+    """Requests the controller admits without the drafter keep greedy outputs equal to plain
+    decoding's, and their tokens stay out of the drafter's context. With none admitted
+    with it, the drafter never runs and only n-gram continuations are verified; with every
+    other one, the others' drafter blocks are verified (every other step planned without
+    drafting, so that context-only proposals meet both kinds of request)."""
+    import itertools
+
+    from vllm_dspark.integration.proposer import DSparkProposer
+    from vllm_dspark.scheduling.controller import DraftPlan
+
+    plain = generate_ids(make_llm(tiny_target), REPEATING, MAX_TOKENS)
+    offered, stored = [], []  # context rows of proposals of no drafts; rows they stored
+    propose_context_only, store_context = DSparkProposer.propose_context_only, DSparkProposer._store_context
+
+    def offering(self, context, batch_size, skipped_for_ngram=False):
+        rows = context()
+        offered.append(len(rows))
+        return propose_context_only(self, lambda: rows, batch_size, skipped_for_ngram)
+
+    monkeypatch.setattr(DSparkProposer, "propose_context_only", offering)
+    monkeypatch.setattr(DSparkProposer, "_store_context", lambda self, rows: stored.append(len(rows)) or store_context(self, rows))
+    llm = make_llm(tiny_target, spec_config(fitted_drafter), {"vllm_dspark": {"policy": "fixed", "hybrid_ngram": True}})
+    controller = engine_scheduler(llm).controller
+    if admitted == "none":
+        controller.admit_drafter = lambda num_requests: False
+    else:
+        admissions, plans, plan = itertools.count(), itertools.count(), controller.plan_drafting
+        controller.admit_drafter = lambda num_requests: next(admissions) % 2 == 1
+        controller.plan_drafting = lambda num_requests, with_drafter=None: (
+            plan(num_requests, with_drafter) if next(plans) % 2 else DraftPlan(0, 0.0))
+    assert generate_ids(llm, REPEATING, MAX_TOKENS) == plain
+    stats = controller.stats
+    assert stats.ngram_verified > 0 and sum(offered) > 0
+    if admitted == "none":
+        assert stats.verified == stats.ngram_verified, "no drafter block was verified"
+        assert sum(stats.draft_depth_counts[1:]) == 0, "the drafter never ran"
+        assert sum(stored) == 0, "no context row was stored"
+    else:
+        assert 0 < sum(stored) < sum(offered), "only the others' rows were stored"
+        assert stats.verified > stats.ngram_verified, "the others verified drafter blocks"
 
 
 def test_hybrid_off_proposes_no_ngram_drafts(tiny_target, fitted_drafter):

@@ -157,7 +157,7 @@ def test_hybrid_ngram_proposals_keep_target_distribution(peaked_target: Path, tm
     from vllm_dspark.scheduling import hybrid
 
     controller = engine_scheduler(llm).controller
-    controller.prefer_ngram = lambda first, greedy, proposals, depth: (proposals.lengths > 0) & (np.arange(len(first)) % 2 == 0)
+    controller.prefer_ngram = lambda first, greedy, proposals, depth, with_drafter=None: (proposals.lengths > 0) & (np.arange(len(first)) % 2 == 0)
     if drafter_left_out:
         controller._drafter_skip = lambda num_requests, depth: hybrid.DrafterSkip(
             np.ones((2, hybrid.MATCH_BUCKETS, 4)), depth, np.zeros((hybrid.CONTINUATION_KEYS, 1)), np.full(1, 0.01), 0.0)

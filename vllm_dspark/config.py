@@ -235,6 +235,11 @@ class PluginOptions(BaseModel):
     # `drafter_vetoes`). Off by default: where the drafter pays it never vetoes and its
     # reference steps only cost (benchmarks/results/closed_loop/README.md).
     check_drafter_against_ngram: bool = False
+    # With adaptive drafting: a request admitted at a load where the drafter's recent
+    # accepted drafts saved fewer seconds than its context pass, forward passes and their
+    # verification cost gets no drafter for its life (no context K/V, n-gram continuations
+    # only; scheduling/drafter_ledger.py).
+    drafter_admission: bool = True
     # A step that drafts nothing queues its context K/V, written in one batch before the
     # drafter next drafts (integration/deferred_context.py); false writes it every step.
     defer_context: bool = True

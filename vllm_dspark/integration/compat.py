@@ -167,6 +167,18 @@ def dflash_proposer_base() -> type:
     return ParallelDrafterProposer
 
 
+def tokens_with_drafter(runner: Any, scheduler_output: Any, without_drafter: frozenset[str]) -> Any:
+    """[tokens of the step] bool tensor, true where the token's request has the drafter: the
+    runner lays a step's tokens out request by request, in its batch's order."""
+    import numpy as np
+    import torch
+
+    batch = runner.input_batch
+    req_ids = batch.req_ids[: batch.num_reqs]
+    counts = [scheduler_output.num_scheduled_tokens.get(r, 0) for r in req_ids]
+    return torch.from_numpy(np.repeat([r not in without_drafter for r in req_ids], counts))
+
+
 def plain_step_context(runner: Any, drafter: Any, step: dict[str, Any]) -> ContextRows | None:
     """The context rows of a step that verified nothing, straight from the runner's state
     (`step`: the arguments of its `propose_draft_token_ids`): every scheduled token's

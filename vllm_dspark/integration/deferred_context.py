@@ -39,6 +39,11 @@ class ContextRows:
     def __len__(self) -> int:
         return self.hidden_states.shape[0]
 
+    def select(self, keep: torch.Tensor) -> ContextRows:
+        """The rows where `keep` [len(self)] is true."""
+        index = torch.nonzero(keep.to(self.hidden_states.device), as_tuple=True)[0]
+        return ContextRows(self.hidden_states[index], self.positions[index], self.slots[index])
+
 
 @dataclass
 class DeferredContext:

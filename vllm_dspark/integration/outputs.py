@@ -23,6 +23,9 @@ DRAFTER_SKIP_FIELD = "vllm_dspark_drafter_skip"
 # Attribute of SchedulerOutput: the requests whose scheduled drafts are n-gram continuations,
 # verified as point masses (probability 1 on each proposed token).
 POINT_MASS_FIELD = "vllm_dspark_point_mass"
+# Attribute of SchedulerOutput: the scheduled requests admitted without the drafter, whose
+# tokens the worker leaves out of the drafter's context (scheduling/drafter_ledger.py).
+WITHOUT_DRAFTER_FIELD = "vllm_dspark_without_drafter"
 
 
 @dataclass

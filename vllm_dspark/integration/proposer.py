@@ -44,6 +44,10 @@ class DSparkProposer(dflash_proposer_base()):
         # Set by the runner before a proposal predicted faster with the requests' n-gram
         # continuations alone (hybrid.DrafterSkip): only the context is stored, once.
         self.skip_for_ngram = False
+        # Set by the runner before each proposal: [tokens of the step] true where the
+        # token's request has the drafter (None: all have it). A proposal of no drafts
+        # stores only those rows; a drafting one writes every row, as vLLM does.
+        self.context_kept: torch.Tensor | None = None
         # The last proposal's confidences on the host (filled without blocking) and the
         # event after which they are there (None on CPU, where the copy is synchronous).
         self._confidences: torch.Tensor | None = None
@@ -85,7 +89,11 @@ class DSparkProposer(dflash_proposer_base()):
         deferred), timed and reported as a proposal of depth 0."""
         self._timer.start()
         self._report = DraftReport(depth=0, skipped_for_ngram=skipped_for_ngram)
-        self._store_context(context())
+        rows, kept = context(), self.context_kept
+        if kept is not None and len(kept) == len(rows):
+            rows = rows.select(kept)
+        if len(rows):
+            self._store_context(rows)
         self._timer.stop()
         return torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
 

@@ -27,7 +27,12 @@ from vllm.v1.request import Request
 from vllm_dspark.config import PluginOptions
 from vllm_dspark.integration import compat
 from vllm_dspark.integration.metrics import attach_stats
-from vllm_dspark.integration.outputs import DRAFTER_SKIP_FIELD, MIN_SURVIVAL_FIELD, POINT_MASS_FIELD
+from vllm_dspark.integration.outputs import (
+    DRAFTER_SKIP_FIELD,
+    MIN_SURVIVAL_FIELD,
+    POINT_MASS_FIELD,
+    WITHOUT_DRAFTER_FIELD,
+)
 from vllm_dspark.kernels import dispatch
 from vllm_dspark.scheduling.controller import StepInputs, VerificationController
 from vllm_dspark.scheduling.policies import Admission, admit_top_budget
@@ -59,6 +64,8 @@ class DSparkScheduler(Scheduler):
         self._confidences: tuple[dict[str, int], np.ndarray] | None = None
         # Requests whose pending proposal is an n-gram continuation -> its match length.
         self._ngram_matches: dict[str, int] = {}
+        # Requests admitted without the drafter (controller.admit_drafter), until they finish.
+        self._without_drafter: set[str] = set()
         self._last_log = self._last_snapshot = time.monotonic()
         logger.info(
             "vllm_dspark scheduler: policy=%s%s, survival-ranked admission on %s",
@@ -91,13 +98,18 @@ class DSparkScheduler(Scheduler):
         proposals = getattr(draft_token_ids, "ngram", None)
         if proposals is not None and self.controller.ngram is not None:
             draft_token_ids = self._choose_proposals(draft_token_ids, confidences, proposals)
+        elif self._without_drafter:  # drafted without their context: never verified
+            draft_token_ids = DraftTokenIds(draft_token_ids.req_ids, [
+                [] if req_id in self._without_drafter else drafts
+                for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)])
         super().update_draft_token_ids(draft_token_ids)
         if confidences is not None:
             rows = {req_id: row for row, req_id in enumerate(draft_token_ids.req_ids)}
             self._confidences = (rows, np.asarray(confidences))
         if report is not None:
-            self.controller.observe_drafting(len(draft_token_ids.req_ids), report.depth, report.lm_head_rows, report.seconds,
-                                             report.skipped_for_ngram)
+            req_ids = draft_token_ids.req_ids
+            self.controller.observe_drafting(len(req_ids), report.depth, report.lm_head_rows, report.seconds,
+                                             report.skipped_for_ngram, self._count_with_drafter(req_ids))
 
     def _choose_proposals(self, drafts: DraftTokenIds, confidences: np.ndarray | None, proposals) -> DraftTokenIds:
         """Each request's drafter block or its n-gram continuation, as the controller
@@ -107,7 +119,8 @@ class DSparkScheduler(Scheduler):
         depth = 0 if confidences is None else confidences.shape[1]
         first = confidences[:, 0] if depth else np.zeros(len(req_ids))
         greedy = np.array([_is_greedy(self.requests[r]) if r in self.requests else True for r in req_ids], dtype=bool)
-        chosen = self.controller.prefer_ngram(first, greedy, proposals, depth)
+        with_drafter = np.array([r not in self._without_drafter for r in req_ids], dtype=bool)
+        chosen = self.controller.prefer_ngram(first, greedy, proposals, depth, with_drafter)
         lists = list(drafts.draft_token_ids)
         for row, req_id in enumerate(req_ids):
             request = self.requests.get(req_id)
@@ -116,6 +129,8 @@ class DSparkScheduler(Scheduler):
                 self._ngram_matches[req_id] = int(proposals.matches[row])
             else:
                 self._ngram_matches.pop(req_id, None)
+                if not with_drafter[row]:  # drafted without its context: never verified
+                    lists[row] = []
         return DraftTokenIds(req_ids, lists)
 
     def add_request(self, request: Request) -> None:
@@ -142,19 +157,31 @@ class DSparkScheduler(Scheduler):
                     request.spec_token_ids = request.spec_token_ids[: int(keep)]
         self._confidences = None
         output = super().schedule(*args, **kwargs)
+        num_requests = len(output.num_scheduled_tokens)
+        # The load a new request joins: every request in the engine, not this pass (a
+        # burst's first passes hold only the prompts that fit the token budget).
+        load = min(len(self.running) + len(self.waiting), self.max_num_running_reqs)
+        for new in output.scheduled_new_reqs:
+            if not self.controller.admit_drafter(load):
+                self._without_drafter.add(new.req_id)
+        without_drafter = frozenset(r for r in self._without_drafter if r in output.num_scheduled_tokens)
         scheduled = {req_id: len(ids) for req_id, ids in output.scheduled_spec_decode_tokens.items()}
         # Tokens beyond one per running request and its drafts are prompt tokens (prefill).
-        prefill = output.total_num_scheduled_tokens - len(output.num_scheduled_tokens) - sum(scheduled.values())
-        self.controller.step_scheduled(
-            started, output.total_num_scheduled_tokens, scheduled, max(0, prefill), len(output.num_scheduled_tokens)
-        )
+        prefill = output.total_num_scheduled_tokens - num_requests - sum(scheduled.values())
+        self.controller.step_scheduled(started, output.total_num_scheduled_tokens, scheduled, max(0, prefill),
+                                       num_requests, num_requests - len(without_drafter))
         setattr(output, POINT_MASS_FIELD, frozenset(r for r in scheduled if r in self._ngram_matches))
+        # The worker leaves these requests' tokens out of the drafter's context.
+        setattr(output, WITHOUT_DRAFTER_FIELD, without_drafter)
         # How the worker drafts after this step (vLLM's dynamic speculation field).
-        plan = self.controller.plan_drafting(len(output.num_scheduled_tokens))
+        plan = self.controller.plan_drafting(num_requests, num_requests - len(without_drafter))
         output.num_spec_tokens_to_schedule = plan.depth
         setattr(output, MIN_SURVIVAL_FIELD, plan.min_survival)
         setattr(output, DRAFTER_SKIP_FIELD, plan.drafter_skip)
         return output
+
+    def _count_with_drafter(self, req_ids: list[str]) -> int:
+        return sum(1 for r in req_ids if r not in self._without_drafter)
 
     def _step_inputs(self, drafting: list[Request]) -> StepInputs:
         proposed = np.array([len(r.spec_token_ids) for r in drafting], dtype=np.int64)
@@ -206,6 +233,8 @@ class DSparkScheduler(Scheduler):
         # Read the sampled tokens first: the parent trims them in place at stop conditions.
         self.controller.observe(self._emitted(model_runner_output))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._without_drafter:
+            self._without_drafter.intersection_update(self.requests)  # finished ones go
         if not self.has_unfinished_requests():
             self.controller.engine_idle()
         now = time.monotonic()

@@ -165,6 +165,7 @@ def _patch_model_runner() -> None:
         DRAFTER_SKIP_FIELD,
         MIN_SURVIVAL_FIELD,
         POINT_MASS_FIELD,
+        WITHOUT_DRAFTER_FIELD,
         DraftTokenIdsWithConfidence,
     )
     from vllm_dspark.integration import compat
@@ -273,6 +274,9 @@ def _patch_model_runner() -> None:
     @functools.wraps(original_propose)
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, DSparkProposer):
+            without = getattr(scheduler_output, WITHOUT_DRAFTER_FIELD, frozenset())
+            drafter.context_kept = compat.tokens_with_drafter(self, scheduler_output, without) if without else None
         if (isinstance(drafter, DSparkProposer) and drafter.is_dspark and drafter.defers_context
                 and not scheduler_output.num_spec_tokens_to_schedule and not self.use_async_scheduling):
             step = propose_signature.bind(self, scheduler_output, *args, **kwargs).arguments

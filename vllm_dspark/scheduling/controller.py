@@ -9,8 +9,10 @@ time and the verifications waiting for their outcome) and is driven through a sm
     step_scheduled(...)        what the engine really scheduled (it may cut drafts further)
     observe(emitted)           tokens each request emitted -> acceptance, recalibration
 
-    plan_drafting(R)           how deep the next step drafts (0: not at all) and where the
-                               drafter may stop a request early
+    admit_drafter(R)           whether a request joining R requests in the engine gets
+                               the drafter at all (scheduling/drafter_ledger.py)
+    plan_drafting(R, E)        how deep the next step drafts (0: not at all) and where the
+                               drafter may stop a request early (E of the R have the drafter)
     observe_drafting(report)   what that drafting cost -> the drafting cost model
     prefer_ngram(...)          hybrid: which requests take their n-gram continuation
                                instead of the drafter's block (scheduling/hybrid.py)
@@ -64,6 +66,7 @@ import numpy as np
 
 from vllm_dspark.config import PluginOptions
 from vllm_dspark.scheduling import hybrid
+from vllm_dspark.scheduling.drafter_ledger import DrafterLedger
 from vllm_dspark.scheduling.overhead import StepTimeModel, applied_model
 from vllm_dspark.scheduling.policies import (
     Admission,
@@ -196,6 +199,8 @@ class _Pending:
     predicted: np.ndarray  # [R] expected accepted drafts (sum of calibrated survival)
     ngram_matches: np.ndarray  # [R] as in StepInputs (0: a drafter proposal)
     record: StepRecord | None  # the step for the realized-speed check (None: not timed)
+    num_requests: int = 0  # requests in the pass (0: unknown)
+    with_drafter: int = 0  # of them, those admitted with the drafter
 
 
 @dataclass
@@ -294,6 +299,10 @@ class VerificationController:
         self._survival_seen_at = np.full(self.block, -np.inf)
         self._planned_steps = 0
         self._probe_clocks: dict[int, _ProbeClock] = {}  # per load bucket
+        # The drafter's measured balance per load, which admits requests with or without it
+        # (None: every request has it). Its gains are valued with the step-time model.
+        self.ledger = (DrafterLedger() if options.drafter_admission and options.adaptive_drafting
+                       and self.block and curve is not None else None)
 
     @property
     def _checks_drafter(self) -> bool:
@@ -364,13 +373,15 @@ class VerificationController:
         scheduled_drafts: dict[str, int] | None = None,
         prefill_tokens: int = 0,
         num_requests: int = 0,
+        with_drafter: int | None = None,
     ) -> None:
         """Close the step: `scheduled_drafts` (request -> drafts the engine scheduled; None =
         as decided) replaces the planned lengths, since the engine may cut drafts further
         (token budget, model length) and an unscheduled draft was never judged.
         `prefill_tokens` of the pass are prompt tokens: such a step is not timed for the
         step-time model (the profile times decode passes; see scheduling/overhead.py).
-        `num_requests` in the pass (0: unknown) keys the realized-speed check."""
+        `num_requests` in the pass (0: unknown) keys the realized-speed check and the
+        drafter's ledger; `with_drafter` of them have the drafter (None: all)."""
         timed = bool(total_tokens) and not prefill_tokens
         decision, self._decision = self._decision, None
         verified = np.zeros(0, dtype=np.int64)
@@ -394,7 +405,8 @@ class VerificationController:
         if decision is not None:
             predicted = np.where(np.arange(survival.shape[1]) < verified[:, None], survival, 0.0).sum(axis=1)
             self.stats.record_decision(decided.proposed, verified, matches > 0)
-            pending = _Pending(decided.req_ids, raw, greedy, verified, predicted, matches, record)
+            pending = _Pending(decided.req_ids, raw, greedy, verified, predicted, matches, record, num_requests,
+                               num_requests if with_drafter is None else with_drafter)
         self._pending.append(pending)
         self._previous_step = (started, total_tokens, record) if timed else None
 
@@ -427,12 +439,32 @@ class VerificationController:
             rows = (pending.greedy == (mode == "greedy")) & ~ngram
             if rows.any():
                 recalibrator.observe(pending.raw_confidences[rows], verified[rows], accepted[rows])
+        drafter_verified = int(verified[~ngram].sum())
+        if self.ledger is not None and pending.num_requests and drafter_verified:
+            # What the drafter's verified blocks added to the pass, and what each accepted
+            # draft saved: a plain pass's seconds per request (drafter_ledger.py).
+            requests, pass_tokens = pending.num_requests, pending.num_requests + int(verified.sum())
+            without, with_blocks, plain = self._pass_seconds(
+                np.array([pass_tokens - drafter_verified, pass_tokens, requests]))
+            self.ledger.observe_outcome(requests, pending.with_drafter, int(accepted[~ngram].sum()),
+                                        float(with_blocks - without), float(plain) / requests)
 
     # --------------------------------------------------------------- drafting
-    def plan_drafting(self, num_requests: int) -> DraftPlan:
-        """How deep the step just scheduled drafts for `num_requests` requests (its drafts
-        are verified in the next step), from past steps only (the drafts it plans do not
-        exist yet, so this cannot anticipate them)."""
+    def admit_drafter(self, num_requests: int) -> bool:
+        """Whether a request joining `num_requests` requests in the engine (itself
+        included) gets the drafter for its life, judged by the ledger of passes that size
+        (drafter_ledger.py); counted when it does not."""
+        if self.ledger is None or self.ledger.admits(num_requests):
+            return True
+        self.stats.requests_without_drafter += 1
+        return False
+
+    def plan_drafting(self, num_requests: int, with_drafter: int | None = None) -> DraftPlan:
+        """How deep the step just scheduled drafts for `num_requests` requests, of which
+        `with_drafter` (None: all) were admitted with the drafter (its drafts are verified
+        in the next step), from past steps only (the drafts it plans do not exist yet, so
+        this cannot anticipate them)."""
+        with_drafter = num_requests if with_drafter is None else with_drafter
         self._planned_steps += 1
         self._verification_vetoed = False
         if self._drafter_reference_left == 1:  # it drafts, but verifies none of the drafter's drafts
@@ -457,6 +489,9 @@ class VerificationController:
             self.stats.drafter_reference_steps += 1
             self.stats.record_plan(0)
             return DraftPlan(0, 0.0, None)
+        if not with_drafter:  # no request of the pass could verify a draft
+            self.stats.record_plan(0)
+            return DraftPlan(0, 0.0, None)
         floor = self.policy.min_survival(self.policy_curve, num_requests, self.block)
         known = self.mean_survival is not None and bool(np.isfinite(self._survival_seen_at[:depth]).all())
         probing = False
@@ -464,7 +499,7 @@ class VerificationController:
             vetoed = self.realized is not None and self.realized.vetoes(num_requests)
             # Hybrid: the drafter alone may be vetoed, n-gram continuations still verified.
             drafter_vetoed = not vetoed and self._checks_drafter and self.realized.drafter_vetoes(num_requests)
-            best = self._best_depth(num_requests, depth)
+            best = self._best_depth(num_requests, depth, with_drafter)
             probe = self._probed_depth(0 if vetoed or drafter_vetoed else best, depth, num_requests)
             # A probe under a veto tests what the model would draft.
             depth = max(probe, best) if (vetoed or drafter_vetoed) and probe else probe
@@ -526,21 +561,27 @@ class VerificationController:
         clock.deeper = not deeper
         return best + 1 if deeper else 0
 
-    def _best_depth(self, num_requests: int, max_depth: int) -> int:
-        """argmax over d of predicted tokens per second when drafting d positions."""
+    def _best_depth(self, num_requests: int, max_depth: int, with_drafter: int) -> int:
+        """argmax over d of predicted tokens per second when drafting d positions (for all
+        `num_requests` requests, verified for the `with_drafter` that have the drafter)."""
         assert self.curve is not None and self.mean_survival is not None
         depths = np.arange(max_depth + 1)
         survival = self.mean_survival[:max_depth]
-        tokens = num_requests * (1.0 + np.r_[0.0, np.cumsum(survival)])
-        step = self._pass_seconds(num_requests * (1 + depths)) + self.drafting_cost.predict(num_requests, depths)
+        tokens = num_requests + with_drafter * np.r_[0.0, np.cumsum(survival)]
+        step = self._pass_seconds(num_requests + with_drafter * depths) + self.drafting_cost.predict(num_requests, depths)
         return int(np.argmax(tokens / np.maximum(step, 1e-9)))
 
     def observe_drafting(
-        self, num_requests: int, depth: int, lm_head_rows: int, seconds: float, skipped_for_ngram: bool = False
+        self, num_requests: int, depth: int, lm_head_rows: int, seconds: float, skipped_for_ngram: bool = False,
+        with_drafter: int | None = None,
     ) -> None:
         """What the last proposal cost (from the drafter's own timing); `skipped_for_ngram`:
-        the worker left the drafter out for the requests' n-gram continuations."""
+        the worker left the drafter out for the requests' n-gram continuations;
+        `with_drafter` of the requests have the drafter (None: all)."""
         self.stats.drafter_skipped_steps += int(skipped_for_ngram)
+        if self.ledger is not None:
+            self.ledger.observe_proposal(num_requests, num_requests if with_drafter is None else with_drafter,
+                                         max(0.0, seconds))
         if num_requests <= 0 or seconds <= 0.0:
             return
         self.drafting_cost.observe(num_requests, depth, lm_head_rows, seconds)
@@ -551,22 +592,27 @@ class VerificationController:
         self.stats.record_drafting(lm_head_rows, seconds)
 
     def prefer_ngram(
-        self, first_confidence: np.ndarray, greedy: np.ndarray, proposals: hybrid.NgramProposals, drafted_depth: int
+        self, first_confidence: np.ndarray, greedy: np.ndarray, proposals: hybrid.NgramProposals, drafted_depth: int,
+        with_drafter: np.ndarray | None = None,
     ) -> np.ndarray:
         """[R] True where a request should verify its n-gram continuation rather than the
         drafter's block: `first_confidence` [R] is the drafter's raw c_1 (0 where it did not
-        draft), `drafted_depth` the depth planned for the drafts. Reads nothing the drafter
-        drew, so the choice keeps verification exact (scheduling/hybrid.py)."""
+        draft), `drafted_depth` the depth planned for the drafts, `with_drafter` [R] marks
+        the requests admitted with the drafter (None: all; the others take any continuation,
+        and their blocks, drafted without their context, teach nothing). Reads nothing the
+        drafter drew, so the choice keeps verification exact (scheduling/hybrid.py)."""
         if self.ngram is None:
             return np.zeros(len(greedy), dtype=bool)
+        with_drafter = np.ones(len(greedy), dtype=bool) if with_drafter is None else np.asarray(with_drafter)
         raw = self._valid_confidences(np.asarray(first_confidence)[:, None], count=False)  # decide() counts them
         first = self._recalibrated(raw, greedy)[:, 0]
         if drafted_depth:
             keys = hybrid.continuation_keys(proposals)
-            for key in np.unique(keys):
-                self._first_confidences[key].extend(first[keys == key].tolist())
+            for key in np.unique(keys[with_drafter]):
+                self._first_confidences[key].extend(first[with_drafter & (keys == key)].tolist())
         conditional = self.ngram.conditional(proposals.matches, proposals.lengths, greedy)
-        return (proposals.lengths > 0) & hybrid.prefer_ngram(conditional, first, drafted_depth, self.mean_survival)
+        preferred = ~with_drafter | hybrid.prefer_ngram(conditional, first, drafted_depth, self.mean_survival)
+        return (proposals.lengths > 0) & preferred
 
     def _track_survival(self, prefix_survival: np.ndarray, proposed: np.ndarray) -> None:
         """Mean calibrated prefix survival per position of the requests drafting now.

@@ -54,6 +54,8 @@ class DSparkStats:
     drafter_skipped_steps: int = 0
     ngram_verified: int = 0
     ngram_accepted: int = 0
+    # Requests admitted without the drafter: it measured no gain at their load (drafter_ledger.py).
+    requests_without_drafter: int = 0
 
     @property
     def pruned(self) -> int:
@@ -106,6 +108,8 @@ class DSparkStats:
                f"not drafting on {self.drafter_vetoed_steps} steps where steps without the drafter measured faster "
                f"and on {self.drafter_reference_steps} reference steps for that check"
                if self.ngram_proposed else "")
+            + (f", {self.requests_without_drafter} requests admitted without the drafter"
+               if self.requests_without_drafter else "")
             + "".join(
                 f", {mode} confidence recalibration: slopes {[round(x, 2) for x in self.confidence_slopes[mode]]} "
                 f"shifts {[round(x, 2) for x in shifts]}"
