@@ -80,8 +80,8 @@ def test_costs_are_charged_as_if_every_request_had_the_drafter() -> None:
 
 
 def test_the_controller_admits_by_its_ledger_and_counts_the_requests_turned_away() -> None:
-    ctrl = controller()
-    assert ctrl.ledger is not None and PluginOptions().drafter_admission, "on by default"
+    ctrl = controller(drafter_admission=True)
+    assert ctrl.ledger is not None
     assert ctrl.admit_drafter(16)
     for _ in range(TRIAL):  # the drafter's proposals cost 50 ms a step; no block is ever accepted
         ctrl.observe_drafting(16, 2, 32, 0.05, with_drafter=16)
@@ -92,7 +92,8 @@ def test_the_controller_admits_by_its_ledger_and_counts_the_requests_turned_away
 
     counted = {f.name: f.samples[0].value for f in metric_families({0: ctrl.stats}) if f.samples}
     assert counted["vllm_dspark_requests_without_drafter"] == 1
-    off = controller(drafter_admission=False)
+    off = controller()
+    assert not PluginOptions().drafter_admission, "off by default"
     assert off.ledger is None and off.admit_drafter(16)
 
 
@@ -100,7 +101,7 @@ def test_the_ledger_values_only_the_drafters_blocks_by_the_step_time_model() -> 
     """A step verifying a drafter block (row a) and an n-gram continuation (row b): the
     ledger gains a's accepted drafts at a plain pass's seconds per request and is charged
     the pass time a's verified drafts added, from the profile."""
-    ctrl = controller()
+    ctrl = controller(drafter_admission=True)
     step = StepInputs(req_ids=("a", "b"), confidences=np.array([[0.9] * 4, [0.0] * 4]), proposed=np.array([4, 3]),
                       greedy=np.array([True, True]), ngram_matches=np.array([0, 5]))
     decision = ctrl.decide(step)

@@ -238,8 +238,11 @@ class PluginOptions(BaseModel):
     # With adaptive drafting: a request admitted at a load where the drafter's recent
     # accepted drafts saved fewer seconds than its context pass, forward passes and their
     # verification cost gets no drafter for its life (no context K/V, n-gram continuations
-    # only; scheduling/drafter_ledger.py).
-    drafter_admission: bool = True
+    # only; scheduling/drafter_ledger.py). Off by default: on SmolLM2 under a closed loop
+    # it took the drafter's time at 16 requests from 3.9 to 0.4 ms a step, yet served the
+    # median request 1.003x (code) and 1.000x (chat) the engine without it, and its system
+    # throughput was 1.7% and 4.9% lower (benchmarks/results/closed_loop/README.md).
+    drafter_admission: bool = False
     # A step that drafts nothing queues its context K/V, written in one batch before the
     # drafter next drafts (integration/deferred_context.py); false writes it every step.
     defer_context: bool = True

@@ -19,9 +19,13 @@ in the pass are charged as if every request had the drafter (seconds x R / E wit
 requests having it), so that a few requests admitted with it do not look dearer than a
 load where all have it.
 
-Measured at 16 requests on code on a 2-core CPU (benchmarks/results/closed_loop/
-`code_r16_no_drafter_cost.md`): an engine that never drafts and never writes the drafter's
-context served the median request 1.014x (1.002-1.024) faster than the default.
+Why it was built: at 16 requests on code on a 2-core CPU an engine that never drafts and
+never writes the drafter's context served the median request 1.014x (1.002-1.024 with
+requests resampled, 0.981-1.063 with turns) faster than the default (benchmarks/results/
+closed_loop/`code_r16_no_drafter_cost.md`). What it gave there (`code_drafter_admission.md`,
+`chat_drafter_admission.md`): 338 of 384 code requests turned away at 16, the drafter's time
+3.9 -> 0.4 ms a step, but 1.003x (code) and 1.000x (chat) per request end to end, within
+the spread of two identical engines; hence off by default (`PluginOptions.drafter_admission`).
 
 Until a load has seen `MIN_EVIDENCE` discounted steps with the drafter (drafting or not:
 the context is paid on every one, and where the controller seldom drafts, that is the
