@@ -91,7 +91,8 @@ class DrafterLedger:
         return self.balances.setdefault(load_bucket(num_requests), DrafterBalance())
 
     def admits(self, num_requests: int) -> bool:
-        """Whether a request joining a pass of `num_requests` requests gets the drafter."""
+        """Whether a request joining `num_requests` requests gets the drafter, judged on
+        passes of that many requests."""
         return self.balance(num_requests).pays
 
     def observe_proposal(self, num_requests: int, with_drafter: int, seconds: float) -> None:
