@@ -98,9 +98,9 @@ class DSparkScheduler(Scheduler):
         proposals = getattr(draft_token_ids, "ngram", None)
         if proposals is not None and self.controller.ngram is not None:
             draft_token_ids = self._choose_proposals(draft_token_ids, confidences, proposals)
-        elif self._without_drafter:  # drafted without their context: never verified
+        if self._without_drafter:  # their blocks were drafted without their context: never verified
             draft_token_ids = DraftTokenIds(draft_token_ids.req_ids, [
-                [] if req_id in self._without_drafter else drafts
+                [] if req_id in self._without_drafter and req_id not in self._ngram_matches else drafts
                 for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)])
         super().update_draft_token_ids(draft_token_ids)
         if confidences is not None:
@@ -119,7 +119,8 @@ class DSparkScheduler(Scheduler):
         depth = 0 if confidences is None else confidences.shape[1]
         first = confidences[:, 0] if depth else np.zeros(len(req_ids))
         greedy = np.array([_is_greedy(self.requests[r]) if r in self.requests else True for r in req_ids], dtype=bool)
-        with_drafter = np.array([r not in self._without_drafter for r in req_ids], dtype=bool)
+        with_drafter = (np.array([r not in self._without_drafter for r in req_ids], dtype=bool)
+                        if self._without_drafter else None)
         chosen = self.controller.prefer_ngram(first, greedy, proposals, depth, with_drafter)
         lists = list(drafts.draft_token_ids)
         for row, req_id in enumerate(req_ids):
@@ -129,8 +130,6 @@ class DSparkScheduler(Scheduler):
                 self._ngram_matches[req_id] = int(proposals.matches[row])
             else:
                 self._ngram_matches.pop(req_id, None)
-                if not with_drafter[row]:  # drafted without its context: never verified
-                    lists[row] = []
         return DraftTokenIds(req_ids, lists)
 
     def add_request(self, request: Request) -> None:
@@ -181,6 +180,8 @@ class DSparkScheduler(Scheduler):
         return output
 
     def _count_with_drafter(self, req_ids: list[str]) -> int:
+        if not self._without_drafter:
+            return len(req_ids)
         return sum(1 for r in req_ids if r not in self._without_drafter)
 
     def _step_inputs(self, drafting: list[Request]) -> StepInputs:

@@ -199,8 +199,8 @@ class _Pending:
     predicted: np.ndarray  # [R] expected accepted drafts (sum of calibrated survival)
     ngram_matches: np.ndarray  # [R] as in StepInputs (0: a drafter proposal)
     record: StepRecord | None  # the step for the realized-speed check (None: not timed)
-    num_requests: int = 0  # requests in the pass (0: unknown)
-    with_drafter: int = 0  # of them, those admitted with the drafter
+    num_requests: int  # requests in the pass (0: unknown)
+    with_drafter: int  # of them, those admitted with the drafter
 
 
 @dataclass
@@ -439,8 +439,8 @@ class VerificationController:
             rows = (pending.greedy == (mode == "greedy")) & ~ngram
             if rows.any():
                 recalibrator.observe(pending.raw_confidences[rows], verified[rows], accepted[rows])
-        drafter_verified = int(verified[~ngram].sum())
-        if self.ledger is not None and pending.num_requests and drafter_verified:
+        drafter_verified = int(verified[~ngram].sum()) if self.ledger is not None and pending.num_requests else 0
+        if drafter_verified:
             # What the drafter's verified blocks added to the pass, and what each accepted
             # draft saved: a plain pass's seconds per request (drafter_ledger.py).
             requests, pass_tokens = pending.num_requests, pending.num_requests + int(verified.sum())
