@@ -56,6 +56,7 @@ def test_prefill_steps_are_fitted_as_fixed_plus_per_token(tmp_path: Path):
     row = trace.summarize([turn, turn], 4)
     fit = row["prefill"]
     assert fit["steps_per_wave"] == 3 and fit["verified"] == 8 and fit["median_tokens"] == 212
+    assert fit["seconds_per_wave"] == pytest.approx(0.132 + 0.232 + 0.332)
     assert fit["fixed_s"] == pytest.approx(0.020) and fit["per_token_s"] == pytest.approx(0.001)
     assert row["groups"]["other"]["steps_per_wave"] == 3  # the prefills are still the `other` group
     one_size = trace.fit_prefill([prefills[0]] * 2, 1)
@@ -65,4 +66,4 @@ def test_prefill_steps_are_fitted_as_fixed_plus_per_token(tmp_path: Path):
     trace.write_report({"dspark + n-gram": row}, meta, tmp_path / "trace")
     report = (tmp_path / "trace.md").read_text()
     assert "closed-loop turns (3 requests per user" in report and "32-96 tokens" in report
-    assert "| dspark + n-gram | 3.0 | 232.0 | 212 | 20.0 | 1.00 | 8.0 |" in report
+    assert "| dspark + n-gram | 3.0 | 0.70 | 232.0 | 212 | 20.0 | 1.00 | 8.0 |" in report
