@@ -121,7 +121,7 @@ class DSparkScheduler(Scheduler):
         greedy = np.array([_is_greedy(self.requests[r]) if r in self.requests else True for r in req_ids], dtype=bool)
         with_drafter = (np.array([r not in self._without_drafter for r in req_ids], dtype=bool)
                         if self._without_drafter else None)
-        chosen = self.controller.prefer_ngram(first, greedy, proposals, depth, with_drafter, req_ids)
+        chosen = self.controller.prefer_ngram(first, greedy, proposals, depth, with_drafter)
         lists = list(drafts.draft_token_ids)
         for row, req_id in enumerate(req_ids):
             request = self.requests.get(req_id)
@@ -236,8 +236,6 @@ class DSparkScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._without_drafter:
             self._without_drafter.intersection_update(self.requests)  # finished ones go
-        if self.controller.ngram is not None:
-            self.controller.ngram.forget(self.requests)  # finished ones' n-gram history goes
         if not self.has_unfinished_requests():
             self.controller.engine_idle()
         now = time.monotonic()

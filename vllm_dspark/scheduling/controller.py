@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -199,7 +198,6 @@ class _Pending:
     verified: np.ndarray  # [R] as scheduled
     predicted: np.ndarray  # [R] expected accepted drafts (sum of calibrated survival)
     ngram_matches: np.ndarray  # [R] as in StepInputs (0: a drafter proposal)
-    ngram_history: np.ndarray  # [R] each request's n-gram history bucket when decided
     record: StepRecord | None  # the step for the realized-speed check (None: not timed)
     num_requests: int  # requests in the pass (0: unknown)
     with_drafter: int  # of them, those admitted with the drafter
@@ -286,9 +284,9 @@ class VerificationController:
         # the one after them (realized.py).
         self._drafter_reference_left = 0
         self._verification_vetoed = False
-        # This step's decision with its prefix survival, raw confidences, greedy mask,
-        # n-gram match lengths and history buckets.
-        self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        # This step's decision with its prefix survival, raw confidences, greedy mask and
+        # n-gram match lengths.
+        self._decision: tuple[VerifyDecision, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._pending: deque[_Pending | None] = deque(maxlen=MAX_IN_FLIGHT)
         # Drafting: its cost model, its recent measured time, the recent mean survival per
         # position (None until a drafted step was seen) and the step (counted by
@@ -352,13 +350,10 @@ class VerificationController:
         confidences = self._recalibrated(raw, step.greedy)
         matches = np.zeros(len(step.req_ids), dtype=np.int64) if step.ngram_matches is None else step.ngram_matches
         ngram = matches > 0
-        history = np.zeros(len(step.req_ids), dtype=np.int64)
         if ngram.any() and self.ngram is not None:
             # An n-gram row's confidences are its learned acceptance, not the drafter's.
             width = confidences.shape[1]
-            history[ngram] = self.ngram.history(np.asarray(step.req_ids)[ngram])
-            confidences[ngram] = self.ngram.conditional(matches[ngram], step.proposed[ngram], step.greedy[ngram],
-                                                        history[ngram])[:, :width]
+            confidences[ngram] = self.ngram.conditional(matches[ngram], step.proposed[ngram], step.greedy[ngram])[:, :width]
         policy_step = PolicyStep(confidences, self.policy_curve, step.base_tokens, step.min_tokens_per_s,
                                  step.plain_requests)
         verified = np.minimum(decide_lengths(self.policy, policy_step), step.proposed)
@@ -368,7 +363,7 @@ class VerificationController:
                                   step.plain_requests)
         survival = np.cumprod(confidences, axis=1)
         self._track_survival(survival[~ngram], step.proposed[~ngram])
-        self._decision = (decision, survival, raw, step.greedy, matches, history)
+        self._decision = (decision, survival, raw, step.greedy, matches)
         return decision
 
     def step_scheduled(
@@ -391,7 +386,7 @@ class VerificationController:
         decision, self._decision = self._decision, None
         verified = np.zeros(0, dtype=np.int64)
         if decision is not None:
-            decided, survival, raw, greedy, matches, history = decision
+            decided, survival, raw, greedy, matches = decision
             verified = decided.verified
             if scheduled_drafts is not None:
                 verified = np.minimum(verified, [scheduled_drafts.get(r, 0) for r in decided.req_ids])
@@ -410,8 +405,8 @@ class VerificationController:
         if decision is not None:
             predicted = np.where(np.arange(survival.shape[1]) < verified[:, None], survival, 0.0).sum(axis=1)
             self.stats.record_decision(decided.proposed, verified, matches > 0)
-            pending = _Pending(decided.req_ids, raw, greedy, verified, predicted, matches, history, record,
-                               num_requests, num_requests if with_drafter is None else with_drafter)
+            pending = _Pending(decided.req_ids, raw, greedy, verified, predicted, matches, record, num_requests,
+                               num_requests if with_drafter is None else with_drafter)
         self._pending.append(pending)
         self._previous_step = (started, total_tokens, record) if timed else None
 
@@ -439,8 +434,7 @@ class VerificationController:
         if ngram.any() and self.ngram is not None:
             self.stats.ngram_accepted += int(accepted[ngram].sum())
             judged = ngram & (verified > 0)
-            self.ngram.observe(pending.ngram_matches[judged], pending.greedy[judged], verified[judged], accepted[judged],
-                               pending.ngram_history[judged], np.asarray(pending.req_ids)[judged])
+            self.ngram.observe(pending.ngram_matches[judged], pending.greedy[judged], verified[judged], accepted[judged])
         for mode, recalibrator in self.recalibrators.items():
             rows = (pending.greedy == (mode == "greedy")) & ~ngram
             if rows.any():
@@ -539,7 +533,7 @@ class VerificationController:
         expected = hybrid.drafter_expected(first.ravel(), depth, self.mean_survival).reshape(first.shape)
         drafting = self.drafting_cost.predict(num_requests, np.array([0, depth]))
         return hybrid.DrafterSkip(
-            self.ngram.table(), depth, expected,  # pooled: the worker applying it holds no request history
+            self.ngram.table(), depth, expected,
             self._pass_seconds(num_requests + np.arange(num_requests * self.block + 1)),
             float(drafting[1] - drafting[0]),
         )
@@ -599,16 +593,14 @@ class VerificationController:
 
     def prefer_ngram(
         self, first_confidence: np.ndarray, greedy: np.ndarray, proposals: hybrid.NgramProposals, drafted_depth: int,
-        with_drafter: np.ndarray | None = None, req_ids: Sequence[str] = (),
+        with_drafter: np.ndarray | None = None,
     ) -> np.ndarray:
         """[R] True where a request should verify its n-gram continuation rather than the
         drafter's block: `first_confidence` [R] is the drafter's raw c_1 (0 where it did not
         draft), `drafted_depth` the depth planned for the drafts, `with_drafter` [R] marks
         the requests admitted with the drafter (None: all; the others take any continuation,
-        and their blocks, drafted without their context, teach nothing), `req_ids` the
-        rows' requests, whose n-gram history weighs in (empty: pooled over histories).
-        Reads nothing the drafter drew, so the choice keeps verification exact
-        (scheduling/hybrid.py)."""
+        and their blocks, drafted without their context, teach nothing). Reads nothing the
+        drafter drew, so the choice keeps verification exact (scheduling/hybrid.py)."""
         if self.ngram is None:
             return np.zeros(len(greedy), dtype=bool)
         with_drafter = np.ones(len(greedy), dtype=bool) if with_drafter is None else np.asarray(with_drafter)
@@ -618,8 +610,7 @@ class VerificationController:
             keys = hybrid.continuation_keys(proposals)
             for key in np.unique(keys[with_drafter]):
                 self._first_confidences[key].extend(first[with_drafter & (keys == key)].tolist())
-        history = self.ngram.history(req_ids) if len(req_ids) else None
-        conditional = self.ngram.conditional(proposals.matches, proposals.lengths, greedy, history)
+        conditional = self.ngram.conditional(proposals.matches, proposals.lengths, greedy)
         preferred = ~with_drafter | hybrid.prefer_ngram(conditional, first, drafted_depth, self.mean_survival)
         return (proposals.lengths > 0) & preferred
 

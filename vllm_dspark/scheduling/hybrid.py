@@ -21,15 +21,12 @@ early the drafter stopped a request, which all depend on the draws. So the verif
 tokens are still distributed as the target's samples.
 
 The n-gram proposal's confidences are learned online from its own outcomes
-(`NgramConfidence`): the conditional acceptance per (sampling mode, the request's own
-recent n-gram acceptance, match length, position), counted with slow forgetting. The
-request's recent acceptance is its past outcomes only, so it keeps the choice and the
-verification lengths exact like the rest.
+(`NgramConfidence`): the conditional acceptance per (sampling mode, match length,
+position), counted with a uniform prior and slow forgetting.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,15 +41,6 @@ SAMPLING_MODES = ("greedy", "sampled")
 # A request's situation for the drafter skip (`continuation_keys`): 0 without a
 # continuation, 1 + its match bucket with one.
 CONTINUATION_KEYS = 1 + MATCH_BUCKETS
-# A request's n-gram history (`NgramConfidence.history`): 0 before its first judged n-gram
-# draft, then 1 + the quarter its recent conditional acceptance lies in.
-HISTORY_BUCKETS = 5
-# A request's recent acceptance starts here and moves by this weight towards each newest
-# n-gram outcome.
-HISTORY_PRIOR = 0.5
-HISTORY_WEIGHT = 0.3
-# Pseudo-counts of the estimate pooled over histories in each history's own estimate.
-HISTORY_SHRINKAGE = 2.0
 
 
 @dataclass(frozen=True)
@@ -121,79 +109,41 @@ def continuation_keys(proposals: NgramProposals) -> np.ndarray:
     return np.where(proposals.lengths > 0, 1 + match_buckets(proposals.matches), 0)
 
 
-def conditional_from_table(
-    table: np.ndarray, matches: np.ndarray, lengths: np.ndarray, greedy: np.ndarray, history: np.ndarray | None = None
-) -> np.ndarray:
+def conditional_from_table(table: np.ndarray, matches: np.ndarray, lengths: np.ndarray, greedy: np.ndarray) -> np.ndarray:
     """[R, width] conditional confidences of n-gram proposals read from a learned
-    [mode, match bucket, position] table, or a [mode, history, match bucket, position] one
-    with each request's `history` bucket (0 beyond each proposal's length)."""
-    index = (np.where(greedy, 0, 1), match_buckets(matches))
-    rows = table[index] if history is None else table[index[0], np.asarray(history), index[1]]
+    [mode, match bucket, position] table (0 beyond each proposal's length)."""
+    rows = table[np.where(greedy, 0, 1), match_buckets(matches)]
     return np.where(np.arange(table.shape[-1]) < np.asarray(lengths)[:, None], rows, 0.0)
 
 
 @dataclass
 class NgramConfidence:
-    """Conditional acceptance of n-gram drafts, per sampling mode, request history, match
-    bucket and position, with the counts decayed by `forgetting` each observed step so the
-    estimate follows the traffic.
-
-    Pooled over histories it is (accepted + 1) / (judged + 2). Within a history the pooled
-    value weighs in as `HISTORY_SHRINKAGE` pseudo-counts, so a cell seen rarely reads
-    about the pooled estimate. Why the history: copying comes in runs. A request in the
-    middle of one accepts the next continuation far more often than the match length
-    alone says. Replayed over the drafter's training corpus (`benchmarks/ngram_history.py`:
-    800 code and 800 chat records, T = 0.7), keyed it lost less log-loss per judged draft
-    (code 0.5679 against 0.5690, chat 0.5603 against 0.5656). At a price of 0.6 to 0.75
-    of a token per verified draft (16 requests on this CPU) the drafts it verified were
-    worth 18-39% more on code and 35-84% more on chat, accepted drafts less their price:
-    0.01-0.03 of a token per step, below what the closed loop can tell apart end to end
-    (`benchmarks/results/closed_loop/code_ngram_history.md`)."""
+    """Conditional acceptance of n-gram drafts, per sampling mode, match bucket and
+    position: (accepted + 1) / (judged + 2), with the counts decayed by `forgetting`
+    each observed step so the estimate follows the traffic."""
 
     width: int
     forgetting: float = 0.999
     accepted: np.ndarray = field(init=False)
     judged: np.ndarray = field(init=False)
-    # Each live request's recent conditional acceptance of its judged n-gram drafts.
-    rates: dict[str, float] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        shape = (len(SAMPLING_MODES), HISTORY_BUCKETS, MATCH_BUCKETS, self.width)
+        shape = (len(SAMPLING_MODES), MATCH_BUCKETS, self.width)
         self.accepted = np.zeros(shape)
         self.judged = np.zeros(shape)
 
     def table(self) -> np.ndarray:
-        """[mode, match bucket, position] conditional acceptance pooled over histories."""
-        return (self.accepted.sum(axis=1) + 1.0) / (self.judged.sum(axis=1) + 2.0)
+        """[mode, match bucket, position] conditional acceptance as learned so far."""
+        return (self.accepted + 1.0) / (self.judged + 2.0)
 
-    def history_table(self) -> np.ndarray:
-        """[mode, history, match bucket, position] conditional acceptance, each history's
-        counts shrunk towards the pooled estimate."""
-        pooled = self.table()[:, None]
-        return (self.accepted + HISTORY_SHRINKAGE * pooled) / (self.judged + HISTORY_SHRINKAGE)
+    def conditional(self, matches: np.ndarray, lengths: np.ndarray, greedy: np.ndarray) -> np.ndarray:
+        """[R, width] conditional confidences of the proposals (0 beyond their length)."""
+        return conditional_from_table(self.table(), matches, lengths, greedy)
 
-    def history(self, req_ids: Sequence[str]) -> np.ndarray:
-        """[R] each request's history bucket (`HISTORY_BUCKETS`)."""
-        rates = np.array([self.rates.get(req_id, -1.0) for req_id in req_ids])
-        return np.where(rates < 0, 0, 1 + np.minimum((4 * rates).astype(np.int64), 3))
-
-    def conditional(
-        self, matches: np.ndarray, lengths: np.ndarray, greedy: np.ndarray, history: np.ndarray | None = None
-    ) -> np.ndarray:
-        """[R, width] conditional confidences of the proposals (0 beyond their length), per
-        request history (None: pooled over histories)."""
-        table = self.table() if history is None else self.history_table()
-        return conditional_from_table(table, matches, lengths, greedy, history)
-
-    def observe(
-        self, matches: np.ndarray, greedy: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
-        history: np.ndarray | None = None, req_ids: Sequence[str] = (),
-    ) -> None:
+    def observe(self, matches: np.ndarray, greedy: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
         """Requests that verified `verified` n-gram drafts and had `accepted` of them
         accepted: positions < accepted were accepted, position `accepted` (if verified)
-        was rejected, later ones were not judged. `history` is each request's bucket when
-        its drafts were chosen (None: no history); `req_ids`, when given, have their recent
-        acceptance updated."""
+        was rejected, later ones were not judged."""
         if not len(verified):
             return
         self.accepted *= self.forgetting
@@ -201,19 +151,9 @@ class NgramConfidence:
         positions = np.arange(self.width)
         judged = positions < np.minimum(verified, accepted + 1)[:, None]
         hits = positions < np.asarray(accepted)[:, None]
-        index = (np.where(greedy, 0, 1), np.zeros(len(verified), dtype=np.int64) if history is None else history,
-                 match_buckets(matches))
+        index = (np.where(greedy, 0, 1), match_buckets(matches))
         np.add.at(self.judged, index, judged)
         np.add.at(self.accepted, index, hits & judged)
-        outcomes = hits.sum(axis=1) / np.maximum(judged.sum(axis=1), 1)
-        for req_id, outcome in zip(req_ids, outcomes):
-            rate = self.rates.get(req_id, HISTORY_PRIOR)
-            self.rates[req_id] = rate + HISTORY_WEIGHT * (outcome - rate)
-
-    def forget(self, live: Collection[str]) -> None:
-        """Drop the recent acceptance of requests no longer in `live`."""
-        if len(self.rates) > len(live):
-            self.rates = {req_id: rate for req_id, rate in self.rates.items() if req_id in live}
 
 
 def prefer_ngram(
