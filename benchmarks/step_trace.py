@@ -215,7 +215,8 @@ def write_report(summaries: dict[str, dict], meta: dict, out: Path) -> None:
               "|---|---|---|---|---|---|---|---|"]
     for name, row in summaries.items():
         p = row["prefill"]
-        cells = [f"{p['steps_per_wave']:.1f}", f"{p['seconds_per_wave']:.2f}"] + ["-" if p[key] is None else f"{scale * p[key]:.{digits}f}" for key, scale, digits in
+        cells = [f"{p['steps_per_wave']:.1f}", f"{p['seconds_per_wave']:.2f}"]
+        cells += ["-" if p[key] is None else f"{scale * p[key]:.{digits}f}" for key, scale, digits in
                   (("median_s", 1000, 1), ("median_tokens", 1, 0), ("fixed_s", 1000, 1), ("per_token_s", 1000, 2),
                    ("verified", 1, 1))]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
