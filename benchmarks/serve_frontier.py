@@ -124,6 +124,8 @@ def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str 
         "dspark": dspark(policy="dspark", **curve),
         "dspark, drafting all K": dspark(policy="dspark", **curve, adaptive_drafting=False),
         "dspark, no realized-speed check": dspark(policy="dspark", **curve, check_realized_speed=False),
+        "dspark + n-gram, no realized-speed check": dspark(policy="dspark", **curve, hybrid_ngram=True,
+                                                           check_realized_speed=False),
         "dspark, per-request realized-speed check": dspark(policy="dspark", **curve, check_each_request=True),
         "dspark + n-gram, drafter checked against n-gram": dspark(policy="dspark", **curve, hybrid_ngram=True,
                                                                   check_drafter_against_ngram=True),
