@@ -164,16 +164,17 @@ class DSparkScheduler(Scheduler):
             if not self.controller.admit_drafter(load):
                 self._without_drafter.add(new.req_id)
         without_drafter = frozenset(r for r in self._without_drafter if r in output.num_scheduled_tokens)
+        with_drafter = num_requests - len(without_drafter)
         scheduled = {req_id: len(ids) for req_id, ids in output.scheduled_spec_decode_tokens.items()}
         # Tokens beyond one per running request and its drafts are prompt tokens (prefill).
         prefill = output.total_num_scheduled_tokens - num_requests - sum(scheduled.values())
         self.controller.step_scheduled(started, output.total_num_scheduled_tokens, scheduled, max(0, prefill),
-                                       num_requests, num_requests - len(without_drafter))
+                                       num_requests, with_drafter)
         setattr(output, POINT_MASS_FIELD, frozenset(r for r in scheduled if r in self._ngram_matches))
         # The worker leaves these requests' tokens out of the drafter's context.
         setattr(output, WITHOUT_DRAFTER_FIELD, without_drafter)
         # How the worker drafts after this step (vLLM's dynamic speculation field).
-        plan = self.controller.plan_drafting(num_requests, num_requests - len(without_drafter))
+        plan = self.controller.plan_drafting(num_requests, with_drafter)
         output.num_spec_tokens_to_schedule = plan.depth
         setattr(output, MIN_SURVIVAL_FIELD, plan.min_survival)
         setattr(output, DRAFTER_SKIP_FIELD, plan.drafter_skip)

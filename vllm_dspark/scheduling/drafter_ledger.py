@@ -88,7 +88,9 @@ class DrafterLedger:
         self.balances: dict[int, DrafterBalance] = {}
 
     def balance(self, num_requests: int) -> DrafterBalance:
-        return self.balances.setdefault(load_bucket(num_requests), DrafterBalance())
+        bucket = load_bucket(num_requests)
+        found = self.balances.get(bucket)  # called every step: no throwaway default
+        return found if found is not None else self.balances.setdefault(bucket, DrafterBalance())
 
     def admits(self, num_requests: int) -> bool:
         """Whether a request joining `num_requests` requests gets the drafter, judged on
