@@ -18,6 +18,16 @@ in flight, so that is each user's tokens over the run, the mean user's speed, an
 turns' throughput ratio (the same tokens in every row) is reported beside ours.
 
     python benchmarks/pair_rows.py benchmarks/results/closed_loop/code_paired.json --base ngram-k3
+
+One run of eight turns leaves intervals about 4% wide either side at R = 4 and 16, and
+runs of the same engines moved by that much from one hour to the next. With `--row`,
+several runs of the same plugin code are pooled instead: each file's requests pair with
+its own base row as above, then every turn of every file counts as one turn of a single
+sample (turns resampled across files). A file given as `PATH=ROW` names the row that
+stands for `--row` there (a row kept under a commit's name, say):
+
+    python benchmarks/pair_rows.py --row "dspark + n-gram" --base ngram-k3 \
+        closed_loop/code_r4_r16_three_rows.json "closed_loop/code_ngram_history.json=dspark + n-gram @ a55ca81"
 """
 
 from __future__ import annotations
@@ -46,31 +56,64 @@ def median_interval(values: np.ndarray, seed: int = 0, level: float = 0.95, turn
     return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
 
 
-def compare(row: dict, base: dict) -> dict:
-    """Turn-paired and request-paired speed ratios of `row` against `base` (one R)."""
-    turns = [ours / theirs for ours, theirs in zip(row["turns_per_user_tok_s"], base["turns_per_user_tok_s"])]
-    ours, theirs = np.array(row["requests_tok_s"]), np.array(base["requests_tok_s"])
-    if len(ours) != len(theirs) or row["tokens"] != base["tokens"]:
-        raise ValueError(f"rows served {len(ours)} and {len(theirs)} requests ({row['tokens']} and {base['tokens']} tokens) "
-                         f"at R = {row['concurrency']}: not paired")
-    ratios = ours / theirs
+def compare(pairs: list[tuple[dict, dict]]) -> dict:
+    """Turn-paired and request-paired speed ratios of a row against its base at one R, over
+    the (row, base) pairs of one run or several (their turns and requests pooled, turns
+    resampled across runs)."""
+    turns, ratios, ours_all, theirs_all, throughput = [], [], [], [], []
+    for row, base in pairs:
+        ours, theirs = np.array(row["requests_tok_s"]), np.array(base["requests_tok_s"])
+        if len(ours) != len(theirs) or row["tokens"] != base["tokens"] or row["concurrency"] != base["concurrency"]:
+            raise ValueError(f"rows served {len(ours)} and {len(theirs)} requests ({row['tokens']} and {base['tokens']} "
+                             f"tokens) at R = {row['concurrency']} and {base['concurrency']}: not paired")
+        run_turns = [a / b for a, b in zip(row["turns_per_user_tok_s"], base["turns_per_user_tok_s"])]
+        if ratios and len(ours) * len(turns) != sum(map(len, ratios)) * len(run_turns):
+            raise ValueError("runs with different requests per turn cannot be pooled")
+        turns += run_turns
+        ratios.append(ours / theirs)
+        ours_all.append(ours)
+        theirs_all.append(theirs)
+        # the same tokens in the same turn of every row: throughput ratio = inverse time ratio
+        throughput += [theirs_s / ours_s for ours_s, theirs_s in zip(row["waves_seconds"], base["waves_seconds"])]
+    ratios_all = np.concatenate(ratios)
     return {
-        "concurrency": row["concurrency"],
+        "concurrency": pairs[0][0]["concurrency"],
+        "runs": len(pairs),
+        "turns": len(turns),
         "turns_median": statistics.median(turns),
         "turns_range": (min(turns), max(turns)),
-        "requests": len(ratios),
-        "requests_median": float(np.median(ratios)),
-        "requests_interval": median_interval(ratios),
-        "turns_resampled_interval": median_interval(ratios, turns=len(turns)),
-        "pooled_median_ratio": float(np.median(ours) / np.median(theirs)),
-        # the same tokens in the same turn of every row: throughput ratio = inverse time ratio
-        "throughput_median": statistics.median(
-            theirs_s / ours_s for ours_s, theirs_s in zip(row["waves_seconds"], base["waves_seconds"])),
+        "requests": len(ratios_all),
+        "requests_median": float(np.median(ratios_all)),
+        "requests_interval": median_interval(ratios_all),
+        "turns_resampled_interval": median_interval(ratios_all, turns=len(turns)),
+        "pooled_median_ratio": float(np.median(np.concatenate(ours_all)) / np.median(np.concatenate(theirs_all))),
+        "throughput_median": statistics.median(throughput),
     }
 
 
-def report(results: dict[str, list[dict]], base_name: str) -> list[str]:
-    base = {row["concurrency"]: row for row in results[base_name]}
+Pairs = dict[str, dict[int, list[tuple[dict, dict]]]]  # row name -> R -> (row, base) per run
+
+
+def pairs_of(results: dict[str, list[dict]], base_name: str) -> Pairs:
+    """Every row of one run beside the base row, at every R both served."""
+    return pooled_pairs([(results, {name: name for name in results if name != base_name})], base_name)
+
+
+def pooled_pairs(runs: list[tuple[dict[str, list[dict]], dict[str, str]]], base_name: str) -> Pairs:
+    """Rows of several runs beside each run's base row: per run, its results and which of
+    its rows stand for which reported name."""
+    pairs: Pairs = {}
+    for results, names in runs:
+        base = {row["concurrency"]: row for row in results[base_name]}
+        for in_run, reported in names.items():
+            for row in results[in_run]:
+                if row["concurrency"] in base and "requests_tok_s" in row:
+                    pairs.setdefault(reported, {}).setdefault(row["concurrency"], []).append(
+                        (row, base[row["concurrency"]]))
+    return pairs
+
+
+def report(pairs: Pairs, base_name: str) -> list[str]:
     lines = [
         f"Against `{base_name}`: per turn, the ratio of the turns' median requests (median, min-max over turns); "
         "per request, the median of the requests' speed ratios (95% bootstrap intervals: requests resampled; "
@@ -78,20 +121,17 @@ def report(results: dict[str, list[dict]], base_name: str) -> list[str]:
         "the median requests over every turn; vLLM's per user, the median over turns of the throughput ratio "
         "(output throughput over users, `plot_pareto`'s tokens per user).",
         "",
-        "| configuration | R | per turn | per request (95% interval) | turns resampled | pooled median request "
-        "| vLLM's per user |",
-        "|---|---|---|---|---|---|---|",
+        "| configuration | R | runs (turns) | per turn | per request (95% interval) | turns resampled "
+        "| pooled median request | vLLM's per user |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, rows in results.items():
-        if name == base_name:
-            continue
-        for row in rows:
-            if row["concurrency"] not in base or "requests_tok_s" not in row:
-                continue
-            c = compare(row, base[row["concurrency"]])
+    for name, by_concurrency in pairs.items():
+        for concurrency in sorted(by_concurrency):
+            c = compare(by_concurrency[concurrency])
             (low, high), (first, last) = c["requests_interval"], c["turns_range"]
             turn_low, turn_high = c["turns_resampled_interval"]
-            lines.append(f"| {name} | {c['concurrency']} | {c['turns_median']:.3f}x ({first:.2f}-{last:.2f}) "
+            lines.append(f"| {name} | {concurrency} | {c['runs']} ({c['turns']}) "
+                         f"| {c['turns_median']:.3f}x ({first:.2f}-{last:.2f}) "
                          f"| {c['requests_median']:.3f}x ({low:.3f}-{high:.3f}, {c['requests']} requests) "
                          f"| {turn_low:.3f}-{turn_high:.3f} "
                          f"| {c['pooled_median_ratio']:.3f}x | {c['throughput_median']:.3f}x |")
@@ -100,13 +140,22 @@ def report(results: dict[str, list[dict]], base_name: str) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path, help="a serve_frontier.py JSON of a closed-loop run")
+    parser.add_argument("results", nargs="+", help="serve_frontier.py JSONs of closed-loop runs (PATH=ROW with --row)")
     parser.add_argument("--base", default="ngram-k3", help="the row every other row is paired with")
+    parser.add_argument("--row", default=None, help="pool this row over every run given (module docstring)")
     args = parser.parse_args()
-    results = json.loads(args.results.read_text())["results"]
-    if args.base not in results:
-        parser.error(f"no row {args.base!r} in {args.results}; rows: {', '.join(results)}")
-    print("\n".join(report(results, args.base)))
+    if args.row is None and (len(args.results) > 1 or "=" in args.results[0]):
+        parser.error("several runs, or PATH=ROW, need the --row they pool")
+    runs = []
+    for given in args.results:
+        path, _, in_run = given.partition("=")
+        results = json.loads(Path(path).read_text())["results"]
+        names = {in_run or args.row: args.row} if args.row else {name: name for name in results if name != args.base}
+        for name in [args.base, *names]:
+            if name not in results:
+                parser.error(f"no row {name!r} in {path}; rows: {', '.join(results)}")
+        runs.append((results, names))
+    print("\n".join(report(pooled_pairs(runs, args.base), args.base)))
     return 0
 
 

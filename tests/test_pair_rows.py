@@ -22,7 +22,7 @@ def test_requests_pair_one_to_one_and_turns_by_repeat():
     base = row(4, [10.0, 20.0], [10.0, 10.0, 20.0, 40.0, 5.0, 8.0], seconds=[6.0, 8.0])
     # a row twice as fast on every request but the fifth, which it halves (two turns of three)
     ours = row(4, [22.0, 40.0], [20.0, 20.0, 40.0, 80.0, 2.5, 16.0], seconds=[4.0, 5.0])
-    c = pair.compare(ours, base)
+    c = pair.compare([(ours, base)])
     assert c["requests"] == 6 and c["requests_median"] == 2.0
     low, high = c["requests_interval"]
     assert 0.5 <= low <= 2.0 <= high <= 2.0 + 1e-12
@@ -36,9 +36,9 @@ def test_requests_pair_one_to_one_and_turns_by_repeat():
 def test_unpaired_rows_are_refused():
     pair = load_script()
     with pytest.raises(ValueError, match="not paired"):
-        pair.compare(row(4, [1.0], [1.0, 2.0]), row(4, [1.0], [1.0]))
+        pair.compare([(row(4, [1.0], [1.0, 2.0]), row(4, [1.0], [1.0]))])
     with pytest.raises(ValueError, match="not paired"):  # other prompts or lengths: other tokens
-        pair.compare(row(4, [1.0], [1.0]), row(4, [1.0], [1.0]) | {"tokens": 99})
+        pair.compare([(row(4, [1.0], [1.0]), row(4, [1.0], [1.0]) | {"tokens": 99})])
 
 
 def test_the_bootstrap_interval_narrows_with_more_requests():
@@ -66,6 +66,22 @@ def test_report_lists_every_other_row_at_every_shared_concurrency():
     pair = load_script()
     results = {"base": [row(1, [1.0], [1.0, 1.0]), row(4, [1.0], [1.0, 1.0])],
                "hybrid": [row(1, [1.5], [1.5, 1.5]), row(4, [0.9], [0.9, 0.9]), row(16, [1.0], [1.0, 1.0])]}
-    lines = pair.report(results, "base")
+    lines = pair.report(pair.pairs_of(results, "base"), "base")
     rows = [line for line in lines if line.startswith("| hybrid")]
-    assert len(rows) == 2 and "| 1 | 1.500x" in rows[0] and "| 4 | 0.900x" in rows[1]
+    assert len(rows) == 2 and "| 1 | 1 (1) | 1.500x" in rows[0] and "| 4 | 1 (1) | 0.900x" in rows[1]
+
+
+def test_runs_pool_turns_and_requests_each_paired_with_its_own_base():
+    pair = load_script()
+    # the same row under another name in the second run, whose base is twice as fast
+    first = {"base": [row(4, [1.0], [1.0, 1.0])], "hybrid": [row(4, [1.2], [1.2, 1.2])]}
+    second = {"base": [row(4, [2.0, 2.0], [2.0, 2.0, 2.0, 2.0])],
+              "hybrid @ abc": [row(4, [1.6, 1.6], [1.6, 1.6, 1.6, 1.6])]}
+    pairs = pair.pooled_pairs([(first, {"hybrid": "hybrid"}), (second, {"hybrid @ abc": "hybrid"})], "base")
+    c = pair.compare(pairs["hybrid"][4])
+    assert (c["runs"], c["turns"], c["requests"]) == (2, 3, 6)
+    assert c["turns_range"] == pytest.approx((0.8, 1.2)) and c["requests_median"] == pytest.approx(0.8)
+    assert c["pooled_median_ratio"] == pytest.approx(1.6 / 2.0)  # every request of both runs together
+    with pytest.raises(ValueError, match="requests per turn"):
+        third = {"base": [row(4, [1.0], [1.0, 1.0, 1.0])], "hybrid": [row(4, [1.0], [1.0, 1.0, 1.0])]}
+        pair.compare(pairs["hybrid"][4] + pair.pairs_of(third, "base")["hybrid"][4])
