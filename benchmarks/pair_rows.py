@@ -94,11 +94,6 @@ def compare(pairs: list[tuple[dict, dict]]) -> dict:
 Pairs = dict[str, dict[int, list[tuple[dict, dict]]]]  # row name -> R -> (row, base) per run
 
 
-def pairs_of(results: dict[str, list[dict]], base_name: str) -> Pairs:
-    """Every row of one run beside the base row, at every R both served."""
-    return pooled_pairs([(results, {name: name for name in results if name != base_name})], base_name)
-
-
 def pooled_pairs(runs: list[tuple[dict[str, list[dict]], dict[str, str]]], base_name: str) -> Pairs:
     """Rows of several runs beside each run's base row: per run, its results and which of
     its rows stand for which reported name."""

@@ -66,7 +66,7 @@ def test_report_lists_every_other_row_at_every_shared_concurrency():
     pair = load_script()
     results = {"base": [row(1, [1.0], [1.0, 1.0]), row(4, [1.0], [1.0, 1.0])],
                "hybrid": [row(1, [1.5], [1.5, 1.5]), row(4, [0.9], [0.9, 0.9]), row(16, [1.0], [1.0, 1.0])]}
-    lines = pair.report(pair.pairs_of(results, "base"), "base")
+    lines = pair.report(pair.pooled_pairs([(results, {"hybrid": "hybrid"})], "base"), "base")
     rows = [line for line in lines if line.startswith("| hybrid")]
     assert len(rows) == 2 and "| 1 | 1 (1) | 1.500x" in rows[0] and "| 4 | 1 (1) | 0.900x" in rows[1]
 
@@ -84,4 +84,4 @@ def test_runs_pool_turns_and_requests_each_paired_with_its_own_base():
     assert c["pooled_median_ratio"] == pytest.approx(1.6 / 2.0)  # every request of both runs together
     with pytest.raises(ValueError, match="requests per turn"):
         third = {"base": [row(4, [1.0], [1.0, 1.0, 1.0])], "hybrid": [row(4, [1.0], [1.0, 1.0, 1.0])]}
-        pair.compare(pairs["hybrid"][4] + pair.pairs_of(third, "base")["hybrid"][4])
+        pair.compare(pairs["hybrid"][4] + pair.pooled_pairs([(third, {"hybrid": "hybrid"})], "base")["hybrid"][4])
