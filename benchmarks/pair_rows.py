@@ -26,8 +26,9 @@ its own base row as above, then every turn of every file counts as one turn of a
 sample (turns resampled across files). A file given as `PATH=ROW` names the row that
 stands for `--row` there (a row kept under a commit's name, say):
 
-    python benchmarks/pair_rows.py --row "dspark + n-gram" --base ngram-k3 \
-        closed_loop/code_r4_r16_three_rows.json "closed_loop/code_ngram_history.json=dspark + n-gram @ a55ca81"
+    cd benchmarks/results/closed_loop
+    python ../../pair_rows.py --row "dspark + n-gram" --base ngram-k3 \\
+        code_r4_r16_three_rows.json "code_ngram_history.json=dspark + n-gram @ a55ca81"
 """
 
 from __future__ import annotations
