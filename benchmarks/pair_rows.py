@@ -61,33 +61,33 @@ def compare(pairs: list[tuple[dict, dict]]) -> dict:
     """Turn-paired and request-paired speed ratios of a row against its base at one R, over
     the (row, base) pairs of one run or several (their turns and requests pooled, turns
     resampled across runs)."""
-    turns, ratios, ours_all, theirs_all, throughput = [], [], [], [], []
+    turns, ours_runs, theirs_runs, throughput = [], [], [], []
     for row, base in pairs:
         ours, theirs = np.array(row["requests_tok_s"]), np.array(base["requests_tok_s"])
         if len(ours) != len(theirs) or row["tokens"] != base["tokens"] or row["concurrency"] != base["concurrency"]:
             raise ValueError(f"rows served {len(ours)} and {len(theirs)} requests ({row['tokens']} and {base['tokens']} "
                              f"tokens) at R = {row['concurrency']} and {base['concurrency']}: not paired")
         run_turns = [a / b for a, b in zip(row["turns_per_user_tok_s"], base["turns_per_user_tok_s"])]
-        if ratios and len(ours) * len(turns) != sum(map(len, ratios)) * len(run_turns):
+        if ours_runs and len(ours) * len(turns) != sum(map(len, ours_runs)) * len(run_turns):
             raise ValueError("runs with different requests per turn cannot be pooled")
         turns += run_turns
-        ratios.append(ours / theirs)
-        ours_all.append(ours)
-        theirs_all.append(theirs)
+        ours_runs.append(ours)
+        theirs_runs.append(theirs)
         # the same tokens in the same turn of every row: throughput ratio = inverse time ratio
         throughput += [theirs_s / ours_s for ours_s, theirs_s in zip(row["waves_seconds"], base["waves_seconds"])]
-    ratios_all = np.concatenate(ratios)
+    ours_all, theirs_all = np.concatenate(ours_runs), np.concatenate(theirs_runs)
+    ratios = ours_all / theirs_all
     return {
         "concurrency": pairs[0][0]["concurrency"],
         "runs": len(pairs),
         "turns": len(turns),
         "turns_median": statistics.median(turns),
         "turns_range": (min(turns), max(turns)),
-        "requests": len(ratios_all),
-        "requests_median": float(np.median(ratios_all)),
-        "requests_interval": median_interval(ratios_all),
-        "turns_resampled_interval": median_interval(ratios_all, turns=len(turns)),
-        "pooled_median_ratio": float(np.median(np.concatenate(ours_all)) / np.median(np.concatenate(theirs_all))),
+        "requests": len(ratios),
+        "requests_median": float(np.median(ratios)),
+        "requests_interval": median_interval(ratios),
+        "turns_resampled_interval": median_interval(ratios, turns=len(turns)),
+        "pooled_median_ratio": float(np.median(ours_all) / np.median(theirs_all)),
         "throughput_median": statistics.median(throughput),
     }
 

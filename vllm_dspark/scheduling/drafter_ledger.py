@@ -90,7 +90,9 @@ class DrafterLedger:
     def balance(self, num_requests: int) -> DrafterBalance:
         bucket = load_bucket(num_requests)
         found = self.balances.get(bucket)  # called every step: no throwaway default
-        return found if found is not None else self.balances.setdefault(bucket, DrafterBalance())
+        if found is None:
+            found = self.balances[bucket] = DrafterBalance()
+        return found
 
     def admits(self, num_requests: int) -> bool:
         """Whether a request joining `num_requests` requests gets the drafter, judged on
