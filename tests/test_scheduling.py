@@ -10,7 +10,7 @@ import pytest
 
 from vllm_dspark.scheduling import POLICIES, SpsCurve, dspark_budget, select_verify_lengths
 from vllm_dspark.scheduling.policies import EARLY_STOP_MARGIN, DSparkPolicy, PolicyStep
-from vllm_dspark.scheduling.ranking import decoding_part, rank_candidates, slot_values, tail_from
+from vllm_dspark.scheduling.ranking import decoding_part, rank_by_user_gain, tail_from
 
 FLAT = SpsCurve(points=[(1, 10.0)])
 COUNTER_EXAMPLE = SpsCurve(points=[(1, 1.0), (2, 0.5), (3, 0.45)])
@@ -388,22 +388,30 @@ def test_async_matches_the_reference_order_at_every_budget(seed: int) -> None:
 # --- dspark's per-user objective -----------------------------------------------------------
 
 
-def reference_per_user(c: np.ndarray, sps, speeds: np.ndarray, base_tokens: int = 0, plain_requests: int = 0) -> np.ndarray:
-    """The per-user scan, literally: slots by w_r a[r, j], w_r = 1 / (tokens per step so
-    far) (ties: j, then r), stop at the first that does not raise
-    (sum_r w_r (1 + A_r) + plain requests x mean w) x SPS(B)."""
+def reference_per_user(c: np.ndarray, sps, base_tokens: int = 0, plain_requests: int = 0) -> np.ndarray:
+    """The per-user scan, literally: slots by log-speed gain (ties: j, then r), stop at the
+    first that does not raise sum_r log(1 + A_r) + R log SPS(B)."""
     num_requests = c.shape[0]
     a = np.cumprod(c, axis=1)
-    w = 1.0 / np.clip(speeds, 1.0, c.shape[1] + 1.0)
-    slots = sorted(((-w[r] * a[r, j], j + 1, r) for r in range(num_requests) for j in range(c.shape[1]) if a[r, j] > 0))
+    expected = np.zeros(num_requests)
+    gains = []
+    for r in range(num_requests):
+        before = 0.0
+        for j in range(c.shape[1]):
+            if a[r, j] > 0:
+                gains.append((float(np.log1p(a[r, j] / (1.0 + before))), j + 1, r))
+            before += a[r, j]
     lengths = np.zeros(num_requests, dtype=np.int64)
-    tau, batch = w.sum() + plain_requests * w.mean(), base_tokens + num_requests
-    best = tau * float(sps(batch))
-    for _, j, r in slots:
-        tau, batch = tau + w[r] * a[r, j - 1], batch + 1
-        if tau * float(sps(batch)) <= best:
+    batch, slowed = base_tokens + num_requests, num_requests + plain_requests
+    best = slowed * np.log(float(sps(batch)))
+    for _, j, r in sorted(gains, key=lambda g: (-g[0], g[1], g[2])):
+        lengths[r], batch = j, batch + 1
+        expected[r] += a[r, j - 1]
+        utility = np.log1p(expected).sum() + slowed * np.log(float(sps(batch)))
+        if utility <= best:
+            lengths[r] = j - 1
             break
-        lengths[r], best = j, tau * float(sps(batch))
+        best = utility
     return lengths
 
 
@@ -413,47 +421,46 @@ def test_per_user_objective_matches_the_reference(seed: int) -> None:
     c, curve = random_case(rng)
     base = int(rng.integers(0, 4))
     plain = int(rng.integers(0, base + 1))
-    speeds = rng.choice([1.0, 1.5, 2.0, 3.0, 9.0], size=c.shape[0])  # 9 lies past K + 1: clipped
-    got = DSparkPolicy("per_user").lengths(PolicyStep(c, curve, base, plain_requests=plain, tokens_per_step=speeds))
-    np.testing.assert_array_equal(got, reference_per_user(c, curve, speeds, base, plain))
+    got = DSparkPolicy("per_user").lengths(PolicyStep(c, curve, base, plain_requests=plain))
+    np.testing.assert_allclose(got, reference_per_user(c, curve, base, plain))
 
 
 @pytest.mark.parametrize("seed", range(50))
-def test_per_user_objective_is_throughput_for_requests_alike_in_speed(seed: int) -> None:
-    # One request, requests equally fast, or speeds unknown (the simulator): the weights
-    # are one constant, which the ratio tau * SPS does not see.
+def test_per_user_objective_agrees_with_throughput_at_one_request(seed: int) -> None:
+    # log((1 + A) SPS) rises exactly where (1 + A) SPS does, slot by slot in block order.
     rng = np.random.default_rng(seed)
     c, curve = random_case(rng)
-    throughput = DSparkPolicy().lengths(PolicyStep(c, curve))
-    for speeds in (np.full(c.shape[0], float(rng.choice([1.0, 2.5]))), None):
-        got = DSparkPolicy("per_user").lengths(PolicyStep(c, curve, tokens_per_step=speeds))
-        np.testing.assert_array_equal(got, throughput)
-    lone = DSparkPolicy("per_user").lengths(PolicyStep(c[:1], curve, tokens_per_step=np.array([3.0])))
-    np.testing.assert_array_equal(lone, DSparkPolicy().lengths(PolicyStep(c[:1], curve)))
+    c = c[:1]
+    np.testing.assert_array_equal(DSparkPolicy("per_user").lengths(PolicyStep(c, curve)),
+                                  DSparkPolicy().lengths(PolicyStep(c, curve)))
 
 
-def test_per_user_objective_raises_the_bar_for_a_request_already_fast() -> None:
-    # 16 requests on the CPU curve, two with the same confident continuation: throughput
-    # verifies both alike; per user, the one that has copied at 4 tokens a step so far
-    # gets fewer slots than the one still at 1.
+def test_per_user_objective_charges_a_lone_request_s_slots_to_everyone_it_slows() -> None:
+    # 16 requests on the CPU curve, one with a confident continuation: the tokens it gains
+    # outweigh the longer pass for throughput, not for the product of the 16 speeds.
     cpu = SpsCurve(points=[(1, 45.7), (4, 42.9), (16, 28.1), (64, 8.77)])
     c = np.zeros((16, 7))
-    c[:2] = 0.85
-    speeds = np.ones(16)
-    speeds[0] = 4.0
-    throughput = DSparkPolicy().lengths(PolicyStep(c, cpu))
-    per_user = DSparkPolicy("per_user").lengths(PolicyStep(c, cpu, tokens_per_step=speeds))
-    assert throughput[0] == throughput[1] >= 1
-    assert per_user[0] < per_user[1]
-    assert (per_user[2:] == 0).all()
+    c[0] = 0.9
+    def served(objective: str, confidences: np.ndarray) -> np.ndarray:
+        """A second call, as in the engine: the first one's ranked values are the history."""
+        policy = DSparkPolicy(objective)  # type: ignore[arg-type]
+        policy.lengths(PolicyStep(confidences, cpu))
+        return policy.lengths(PolicyStep(confidences, cpu))
+
+    throughput, per_user = served("throughput", c), served("per_user", c)
+    assert throughput[0] >= 2 and per_user[0] < throughput[0]
+    # Drafts as confident for every request still pay per user, though the first slot alone
+    # costs the 16 requests more than it gains: the history shows the others coming.
+    everyone = np.full((16, 7), 0.9)
+    assert DSparkPolicy("per_user").lengths(PolicyStep(everyone, cpu)).sum() == 0
+    assert (served("per_user", everyone) >= 1).all()
 
 
-def test_weighted_order_keeps_each_request_s_block_in_position_order() -> None:
+def test_per_user_order_keeps_each_request_s_block_in_position_order() -> None:
     rng = np.random.default_rng(0)
     c = rng.choice([0.0, 0.3, 0.6, 0.9, 1.0], size=(12, 6))
-    weights = 1.0 / rng.uniform(1.0, 7.0, size=12)
-    order = rank_candidates(c, weights)
-    assert (np.diff(slot_values(order, weights)) <= 0).all()
+    order, gains = rank_by_user_gain(c)
+    assert (np.diff(gains) <= 0).all()
     seen = np.zeros(12, dtype=np.int64)
     for r, j in zip(order.requests(), order.positions()):
         assert j == seen[r] + 1, "a request's slots come in block order"
@@ -470,8 +477,7 @@ def test_no_slot_below_the_drafting_floor_is_ever_verified(objective: str, seed:
     policy = DSparkPolicy(objective)
     bound = policy.min_survival(curve, requests, 7) / EARLY_STOP_MARGIN
     c = rng.uniform(0.0, 1.0, size=(requests, 7)) ** rng.uniform(0.1, 2.0)
-    speeds = rng.uniform(1.0, 8.0, size=requests)
-    lengths = policy.lengths(PolicyStep(c, curve, tokens_per_step=speeds))
+    lengths = policy.lengths(PolicyStep(c, curve))
     survival = np.cumprod(c, axis=1)
     verified = np.arange(7) < lengths[:, None]
     assert (survival[verified] >= bound).all()

@@ -66,10 +66,6 @@ class DSparkScheduler(Scheduler):
         self._ngram_matches: dict[str, int] = {}
         # Requests admitted without the drafter (controller.admit_drafter), until they finish.
         self._without_drafter: set[str] = set()
-        # Steps scheduled so far, and per request the step and output count when it first
-        # had a proposal (its speed so far, for a policy that reads it).
-        self._num_steps = 0
-        self._decode_start: dict[str, tuple[int, int]] = {}
         self._last_log = self._last_snapshot = time.monotonic()
         logger.info(
             "vllm_dspark scheduler: policy=%s%s, survival-ranked admission on %s",
@@ -148,7 +144,6 @@ class DSparkScheduler(Scheduler):
     # --------------------------------------------------------- the decision
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         started = time.perf_counter()
-        self._num_steps += 1
         self.controller.step_started(started)
         drafting = [r for r in self.running if r.spec_token_ids]
         if self._ngram_matches:  # entries of finished or preempted requests go
@@ -212,9 +207,6 @@ class DSparkScheduler(Scheduler):
         if self._ngram_matches:
             matches = np.array([self._ngram_matches.get(r.request_id, 0) for r in drafting], dtype=np.int64)
         drafter_rows = np.ones(len(drafting), dtype=bool) if matches is None else matches == 0
-        tokens_per_step = None
-        if self.controller.policy.uses_request_speeds:
-            tokens_per_step = np.array([self._tokens_per_step(r) for r in drafting])
         return StepInputs(
             req_ids=tuple(r.request_id for r in drafting),
             confidences=confidences,
@@ -225,14 +217,7 @@ class DSparkScheduler(Scheduler):
             min_tokens_per_s=floors,
             missing=int((drafter_rows & ~found).sum()),  # n-gram rows have no drafter confidences
             ngram_matches=matches,
-            tokens_per_step=tokens_per_step,
         )
-
-    def _tokens_per_step(self, request: Request) -> float:
-        """Tokens `request` emitted per step since it first had a proposal (that step
-        counted as one token in one step)."""
-        step, tokens = self._decode_start.setdefault(request.request_id, (self._num_steps, request.num_output_tokens))
-        return (request.num_output_tokens - tokens + 1) / (self._num_steps - step + 1)
 
     def _other_tokens(self) -> tuple[int, int]:
         """Tokens expected in the pass besides the drafting requests' own (the policy
@@ -252,8 +237,6 @@ class DSparkScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._without_drafter:
             self._without_drafter.intersection_update(self.requests)  # finished ones go
-        if len(self._decode_start) > len(self.requests):
-            self._decode_start = {r: start for r, start in self._decode_start.items() if r in self.requests}
         if not self.has_unfinished_requests():
             self.controller.engine_idle()
         now = time.monotonic()

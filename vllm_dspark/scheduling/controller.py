@@ -174,9 +174,6 @@ class StepInputs:
     # [R] matched suffix length where the proposal is an n-gram continuation, 0 where it
     # is the drafter's (then `confidences` holds the drafter's row); None: no n-gram rows.
     ngram_matches: np.ndarray | None = None
-    # [R] tokens each request emitted per decoding step so far (PolicyStep), where the
-    # policy reads them (`uses_request_speeds`); None otherwise.
-    tokens_per_step: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -358,7 +355,7 @@ class VerificationController:
             width = confidences.shape[1]
             confidences[ngram] = self.ngram.conditional(matches[ngram], step.proposed[ngram], step.greedy[ngram])[:, :width]
         policy_step = PolicyStep(confidences, self.policy_curve, step.base_tokens, step.min_tokens_per_s,
-                                 step.plain_requests, step.tokens_per_step)
+                                 step.plain_requests)
         verified = np.minimum(decide_lengths(self.policy, policy_step), step.proposed)
         if self._verification_vetoed:  # n-gram rows on a step the check keeps plain
             verified = np.zeros_like(verified)

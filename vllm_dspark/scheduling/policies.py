@@ -47,9 +47,6 @@ class PolicyStep:
     # Decoding requests of the same pass with nothing to verify (no proposal this step):
     # each emits a token and is slowed by every verified draft, like the R requests here.
     plain_requests: int = 0
-    # [R] tokens each request emitted per step so far, in [1, K + 1] (dspark's per-user
-    # objective); None: unknown, every request counts alike.
-    tokens_per_step: np.ndarray | None = None
 
 
 class VerifyPolicy(ABC):
@@ -65,11 +62,6 @@ class VerifyPolicy(ABC):
 
     @abstractmethod
     def lengths(self, step: PolicyStep) -> np.ndarray: ...
-
-    @property
-    def uses_request_speeds(self) -> bool:
-        """Whether it reads PolicyStep.tokens_per_step."""
-        return False
 
     @classmethod
     def from_options(cls, options: PluginOptions, admission: Admission) -> VerifyPolicy:
@@ -137,15 +129,14 @@ def never_verified_below(sps: SpsFunction, num_requests: int, block: int, per_us
     average relative step-cost increase is at least the smallest one-token increase, so
     below R times the smallest over the pass sizes the step can reach no slot is ever
     verified; `EARLY_STOP_MARGIN` of that bound is returned. `per_user` (dspark's per-user
-    objective): a slot of request r counts w_r a_n against tau = sum of the weights, each
-    weight in [1 / (block + 1), 1], so R becomes 1 + (R - 1) / (block + 1)."""
+    objective): a slot is admitted only if its gain u_n > R log(SPS(B-1) / SPS(B)), and
+    a_n >= u_n, so the bound takes the log of one plus the increase instead."""
     if num_requests == 0 or block == 0:
         return 0.0
     batch = np.arange(num_requests, num_requests * (block + 1) + 1, dtype=np.float64)
     steps = np.asarray(sps(batch), dtype=np.float64)
     increase = max(0.0, float((steps[:-1] / steps[1:] - 1.0).min()))
-    requests = 1.0 + (num_requests - 1) / (block + 1) if per_user else num_requests
-    return EARLY_STOP_MARGIN * requests * increase
+    return EARLY_STOP_MARGIN * num_requests * (np.log1p(increase) if per_user else increase)
 
 
 class DSparkPolicy(VerifyPolicy):
@@ -156,20 +147,18 @@ class DSparkPolicy(VerifyPolicy):
     a later candidate of this step, so both are lossless; a first call (no history) is the
     plain early stop.
 
-    `objective="per_user"` maximises the sum over requests of the log of their speeds over
-    their lives instead of the engine's tokens per second. A request r that has emitted
-    tau_r tokens per step so far gains, to first order, a_n / tau_r in log speed from a
-    slot with survival a_n, and every request loses the same relative step time, so the
-    scan is the throughput scan with each slot weighted by w_r = 1 / tau_r: sum_r w_r
-    (1 + A_r) * SPS(B). A request already served fast by its copies pays a higher bar for
-    its next draft, a slow one a lower bar; requests alike in speed are scheduled as by
-    throughput, and so is a single request. The weights read only earlier steps, so the
-    scan stays lossless (`ranking.rank_candidates` keeps each request's block in position
-    order under a per-request weight). An earlier form took the log gain of each slot
-    within the step, log(1 + a / (1 + A)): its concavity inside one step made it verify
-    less than a lifetime's speeds call for and it lost 3% per user at 16 requests on code
-    (benchmarks/results/closed_loop/code_r4_r16_per_user_objective.md).
-    """
+    `objective="per_user"` maximises the sum over requests of log expected speed,
+    sum_r log(1 + A_r) + R log SPS(B), instead of tau * SPS(B): the product of the
+    requests' speeds, so a slot counts by how much it speeds up its own request, and a
+    pass lengthened for one request is charged to every request it slows (throughput
+    verifies a confident slot of one request whenever the tokens gained outweigh the
+    longer pass). At one request the two agree. Measured on a CPU (SmolLM2, R = 1 to 16)
+    it gained nothing beyond the spread between waves, so it is an option, not the default
+    (benchmarks/results/per_user_objective/). It scans `ranking.rank_by_user_gain`'s
+    order, lossless by the same argument. Its look-ahead matters beyond cliffs: the log
+    of an affine step time is concave, so the first of many equally confident slots can
+    cost every request more than it gains while all of them together pay; the previous
+    call's ranked gains say whether they come."""
 
     name = "dspark"
     serving_options = ("objective",)
@@ -182,21 +171,26 @@ class DSparkPolicy(VerifyPolicy):
         self.objective = objective
         self._previous: tuple[np.ndarray, int] | None = None  # last call's ranked values, R
 
-    @property
-    def uses_request_speeds(self) -> bool:
-        return self.objective == "per_user"
-
     def min_survival(self, sps: SpsFunction, num_requests: int, block: int) -> float:
-        return never_verified_below(sps, num_requests, block, per_user=self.uses_request_speeds)
+        return never_verified_below(sps, num_requests, block, per_user=self.objective == "per_user")
 
     def lengths(self, step: PolicyStep) -> np.ndarray:
         num_requests, block = step.confidences.shape
-        weights = None
-        if self.uses_request_speeds and step.tokens_per_step is not None:
-            weights = 1.0 / np.clip(step.tokens_per_step, 1.0, block + 1.0)
-        order = ranking.rank_candidates(step.confidences, weights)
-        values = ranking.slot_values(order, weights)
-        totals, steps = ranking.expected_throughput(order, step.sps, step.base_tokens, step.plain_requests, weights)
+        if self.objective == "per_user":
+            order, values = ranking.rank_by_user_gain(step.confidences)
+            totals = np.r_[0.0, np.cumsum(values)]
+            steps = ranking.pass_sps(step.sps, step.base_tokens + num_requests, len(values) + 1)
+            slowed = num_requests + step.plain_requests
+
+            def combine(gains: np.ndarray, sps: np.ndarray) -> np.ndarray:
+                return gains + slowed * np.log(np.maximum(sps, 1e-300))
+        else:
+            order = ranking.rank_candidates(step.confidences)
+            values = order.survival
+            totals, steps = ranking.expected_throughput(order, step.sps, step.base_tokens, step.plain_requests)
+
+            def combine(tau: np.ndarray, sps: np.ndarray) -> np.ndarray:
+                return tau * sps
         previous, slots = self._previous, num_requests * block
 
         def lookahead() -> tuple[np.ndarray, np.ndarray]:
@@ -204,16 +198,11 @@ class DSparkPolicy(VerifyPolicy):
             reach = ranking.pass_sps(step.sps, step.base_tokens + num_requests, slots + 1)
             return reach, ranking.tail_from(*previous, num_requests, slots)
 
-        objective = _throughput(totals, steps)
-        count = ranking.cliff_aware_stop(values, totals, objective, _throughput,
+        objective = combine(totals, steps)
+        count = ranking.cliff_aware_stop(values, totals, objective, combine,
                                          None if previous is None else lookahead)
         self._previous = (values, num_requests)
         return ranking.lengths_of_prefix(order, count)
-
-
-def _throughput(tau: np.ndarray, sps: np.ndarray) -> np.ndarray:
-    """Expected tokens per second from tokens per step and steps per second."""
-    return tau * sps
 
 
 def dspark_budget(old_confidences: np.ndarray, sps: SpsFunction, base_tokens: int = 0, plain_requests: int = 0) -> int:

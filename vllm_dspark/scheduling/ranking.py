@@ -106,30 +106,38 @@ def rank_candidates(c: np.ndarray, weights: np.ndarray | None = None) -> Ranking
     return Ranking(ranked[:count], order[:count], c.shape[0], table)
 
 
-def slot_values(ranking: Ranking, weights: np.ndarray | None = None) -> np.ndarray:
-    """Each candidate's survival, times its request's weight where `weights` [R] are given."""
-    return ranking.survival if weights is None else ranking.survival * weights[ranking.requests()]
+def rank_by_user_gain(c: np.ndarray) -> tuple[Ranking, np.ndarray]:
+    """The candidate order of the per-user objective, and each candidate's gain in it.
+
+    Verifying slot (r, j) raises request r's expected tokens this step from 1 + A[r, j-1]
+    to 1 + A[r, j] (A the running sum of its survivals), a gain in log speed of
+    u[r, j] = log(1 + a[r, j] / (1 + A[r, j-1])). Candidates are ranked by u descending,
+    ties as in `rank_candidates` (smaller j, then smaller r). u falls strictly along a
+    request's block (a does not rise and A grows), so every prefix of this order still
+    verifies a prefix of each request's block, and u[r, j] reads only c[r, 1..j]: the
+    two properties that keep an early-stopping scan lossless (module docstring).
+    """
+    table = np.cumprod(c.T, axis=0)
+    gains = np.log1p(table / (1.0 + np.cumsum(table, axis=0) - table))
+    order, ranked = _descending_order(gains.ravel())  # gains lie in [0, log 2]
+    count = np.count_nonzero(ranked)
+    return Ranking(table.ravel()[order[:count]], order[:count], c.shape[0], table), ranked[:count]
 
 
 def expected_throughput(
-    ranking: Ranking, sps: SpsFunction, base_tokens: int, plain_requests: int = 0, weights: np.ndarray | None = None
+    ranking: Ranking, sps: SpsFunction, base_tokens: int, plain_requests: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """Expected tokens per step and SPS after verifying the first n candidates, n = 0..N.
 
     tau(n) = R + plain_requests + sum of the first n survivals (each request gains its
     bonus token, and so does each decoding request of the pass with nothing to verify),
     and the pass carries B(n) = base_tokens + R + n tokens (base_tokens counts those
-    requests' tokens). With per-request `weights` every token of request r counts w_r
-    (`slot_values`), and each plain request's the mean weight.
+    requests' tokens).
     """
-    values = slot_values(ranking, weights)
-    tau = np.empty(len(values) + 1)
+    tau = np.empty(len(ranking.survival) + 1)
     tau[0] = 0.0
-    np.cumsum(values, out=tau[1:])
-    if weights is None:
-        tau += ranking.num_requests + plain_requests
-    else:
-        tau += weights.sum() + plain_requests * weights.mean()
+    np.cumsum(ranking.survival, out=tau[1:])
+    tau += ranking.num_requests + plain_requests
     return tau, pass_sps(sps, base_tokens + ranking.num_requests, len(tau))
 
 
