@@ -136,6 +136,8 @@ def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str 
         "dspark + n-gram": dspark(policy="dspark", **curve, hybrid_ngram=True),
         "dspark, per-user objective": dspark(policy="dspark", **curve, objective="per_user"),
         "dspark + n-gram, per-user objective": dspark(policy="dspark", **curve, hybrid_ngram=True, objective="per_user"),
+        "dspark + n-gram, profile as given": dspark(policy="dspark", **curve, hybrid_ngram=True,
+                                                    measure_step_overhead=False),
         "dspark + n-gram, plain steps as before": dspark(policy="dspark", **curve, hybrid_ngram=True,
                                                          **PLAIN_STEPS_AS_BEFORE),
         "dspark + n-gram, drafter never left out": dspark(policy="dspark", **curve, hybrid_ngram=True,
@@ -267,12 +269,15 @@ def serve_turn(llm, requests: list[tuple[list, object]], concurrency: int) -> di
     it). Returns the turn's timing: wall seconds, tokens, the mean decode speed per user
     (1/TPOT), the slowest request's, the mean time to the first token and the median
     request's tokens over its end-to-end time (admission to last token), the per-user
-    speed a client of a busy server sees, and every request's such speed in the order of
-    `requests` (so two engines' turns pair request by request)."""
+    speed a client of a busy server sees, and every request's such speed, time to its first
+    token and wait in the engine's queue in the order of `requests` (so two engines' turns
+    pair request by request)."""
     engine = llm.llm_engine
     waiting = list(enumerate(requests))
     admitted: dict[str, tuple[int, float]] = {}  # request id -> (its index, when it was handed to the engine)
     finished, user_speeds = [], [float("nan")] * len(requests)
+    # per request: time to its first token, and of that the wait in the engine's queue
+    first_tokens, queue_waits = [float("nan")] * len(requests), [float("nan")] * len(requests)
 
     def admit() -> None:
         while waiting and len(admitted) < concurrency:
@@ -290,6 +295,9 @@ def serve_turn(llm, requests: list[tuple[list, object]], concurrency: int) -> di
                 index, since = admitted.pop(output.request_id)
                 finished.append(output)
                 user_speeds[index] = len(output.outputs[0].token_ids) / (time.perf_counter() - since)
+                if (metrics := output.metrics) is not None:
+                    first_tokens[index] = metrics.first_token_latency
+                    queue_waits[index] = metrics.scheduled_ts - metrics.queued_ts
         admit()
     speeds = decode_speeds(finished)
     latencies = [o.metrics.first_token_latency for o in finished if o.metrics is not None]
@@ -297,7 +305,8 @@ def serve_turn(llm, requests: list[tuple[list, object]], concurrency: int) -> di
     return {"seconds": time.perf_counter() - start, "tokens": sum(len(o.outputs[0].token_ids) for o in finished),
             "decode": statistics.fmean(speeds) if speeds else nan, "slowest_decode": min(speeds, default=nan),
             "first_token_s": statistics.fmean(latencies) if latencies else nan,
-            "median_user_tok_s": statistics.median(user_speeds), "user_tok_s": user_speeds}
+            "median_user_tok_s": statistics.median(user_speeds), "user_tok_s": user_speeds,
+            "user_first_token_s": first_tokens, "user_queue_s": queue_waits}
 
 
 def serve_waves(conn, target: str, settings: dict, max_num_seqs: int, max_tokens: int, prompt_set: str) -> None:
@@ -357,6 +366,8 @@ def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict, re
         "turns_per_user_tok_s": per_user,  # in repeat order: turn i of every row served the same prompts
         # every request of every turn in order, so rows pair request by request (closed loops)
         "requests_tok_s": [speed for w in waves for speed in w["user_tok_s"]],
+        "requests_first_token_s": [s for w in waves for s in w["user_first_token_s"]],
+        "requests_queue_s": [s for w in waves for s in w["user_queue_s"]],
         "tokens": sum(w["tokens"] for w in waves),
         "draft_tokens": delta["num_draft_tokens"],
         **plugin_delta(before["plugin"], after["plugin"]),

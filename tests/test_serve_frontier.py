@@ -80,13 +80,16 @@ def test_waves_are_interleaved_in_rotating_order():
     assert [frontier.wave_order(names, i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     before = {"spec": {"num_drafts": 10, "num_accepted_tokens": 5, "num_draft_tokens": 20}, "plugin": None}
     waves = [{"seconds": s, "decode": d, "slowest_decode": d - 1, "first_token_s": 0.1, "tokens": 64, "plugin": None,
-              "user_tok_s": [d, d + 1], "spec": {"num_drafts": 30, "num_accepted_tokens": 25, "num_draft_tokens": 60}}
+              "user_tok_s": [d, d + 1], "user_first_token_s": [0.1, d], "user_queue_s": [0.0, s],
+              "spec": {"num_drafts": 30, "num_accepted_tokens": 25, "num_draft_tokens": 60}}
              for s, d in ((2.0, 9.0), (4.0, 7.0), (3.0, 8.0))]
     row = frontier.summarize_waves(1, 64, waves, before)
     assert row["wave_seconds"] == 3.0 and row["per_user_tok_s"] == 64 / 3.0 and row["decode_tok_s_per_user"] == 8.0
     assert row["accepted_length"] == 1.0 + 20 / 20 and row["verified_drafts_per_step"] == 2.0
     assert row["per_user_spread"] == [16.0, 32.0] and row["turns_per_user_tok_s"] == [32.0, 16.0, 64 / 3.0]
     assert row["requests_tok_s"] == [9.0, 10.0, 7.0, 8.0, 8.0, 9.0]  # turn by turn, each in request order
+    assert row["requests_first_token_s"] == [0.1, 9.0, 0.1, 7.0, 0.1, 8.0]
+    assert row["requests_queue_s"] == [0.0, 2.0, 0.0, 4.0, 0.0, 3.0]
     # a closed loop's turns are rated by their median request, not by their wall time
     loops = [wave | {"median_user_tok_s": speed} for wave, speed in zip(waves, (20.0, 30.0, 10.0))]
     assert frontier.summarize_waves(1, 64, loops, before, requests_per_user=3)["per_user_tok_s"] == 20.0
@@ -127,7 +130,9 @@ class FakeLLM:
             finished = progress[1] == progress[0]
             if finished:
                 del self.running[request_id]
-            metrics = SimpleNamespace(first_token_ts=0.0, last_token_ts=float(progress[1]), first_token_latency=0.5)
+            index = int(request_id)  # requests are admitted in order here
+            metrics = SimpleNamespace(first_token_ts=0.0, last_token_ts=float(progress[1]),
+                                      first_token_latency=0.5 + index / 10, queued_ts=1.0, scheduled_ts=1.0 + index / 100)
             outputs.append(SimpleNamespace(request_id=request_id, finished=finished, metrics=metrics,
                                            outputs=[SimpleNamespace(token_ids=[0] * progress[1])]))
         return outputs
@@ -141,9 +146,11 @@ def test_a_closed_loop_replaces_each_finished_request_at_once():
     assert llm.most_in_flight == 2 and llm.counter == 6 and not llm.running
     assert turn["tokens"] == sum(lengths)
     # a fake request's decode speed is (tokens - 1) / its steps: 1/2 for the short ones, 7/8 for request 1
-    assert turn["median_user_tok_s"] > 0 and turn["first_token_s"] == 0.5
-    # every request's speed at its own place, whatever order they finished in
+    assert turn["median_user_tok_s"] > 0 and turn["first_token_s"] == pytest.approx(0.75)
+    # every request's speed, first token and queue wait at its own place, whatever order they finished in
     assert len(turn["user_tok_s"]) == 6 and all(speed > 0 for speed in turn["user_tok_s"])
+    assert turn["user_first_token_s"] == pytest.approx([0.5 + i / 10 for i in range(6)])
+    assert turn["user_queue_s"] == pytest.approx([i / 100 for i in range(6)])
     assert turn["median_user_tok_s"] == statistics.median(turn["user_tok_s"])
     assert turn["decode"] == pytest.approx((5 * 0.5 + 7 / 8) / 6)
     assert turn["slowest_decode"] == pytest.approx(0.5)
