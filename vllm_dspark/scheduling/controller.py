@@ -501,11 +501,19 @@ class VerificationController:
             drafter_vetoed = not vetoed and self._checks_drafter and self.realized.drafter_vetoes(num_requests)
             best = self._best_depth(num_requests, depth, with_drafter)
             probe = self._probed_depth(0 if vetoed or drafter_vetoed else best, depth, num_requests)
-            # A probe under a veto tests what the model would draft.
-            depth = max(probe, best) if (vetoed or drafter_vetoed) and probe else probe
-            probing = probe != best
-            # A probe's drafts are verified as usual; otherwise nothing is, n-gram rows included.
-            self._verification_vetoed = vetoed and depth == 0
+            if vetoed and probe:
+                # A probe under a veto tests what the model would do. With n-gram
+                # continuations that can be verifying them without drafting: a probe that
+                # drafted anyway would charge a drafter pass the model would not run to
+                # the gains that lift the veto (at 16 requests on code that pass held a
+                # veto for eight turns where copying paid 1.07x; closed_loop/README.md).
+                depth, probing = (best if best or self.ngram is not None else probe), False
+            elif drafter_vetoed and probe:  # the drafter's own probe: it drafts, never left out
+                depth, probing = max(probe, best), True
+            else:
+                depth, probing = probe, probe != best
+            # A probe's proposals are verified as usual; otherwise nothing is, n-gram rows included.
+            self._verification_vetoed = vetoed and not probe
             self.stats.vetoed_steps += int(self._verification_vetoed)
             self.stats.drafter_vetoed_steps += int(drafter_vetoed and depth == 0)
         self.stats.record_plan(depth)

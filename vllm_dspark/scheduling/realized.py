@@ -22,7 +22,10 @@ plus `CONFIDENCE` standard errors), and goes on probing as it does when its mode
 not to draft. The verdict then rests on the probes alone (the gains are cleared when it
 changes): it lifts once the last `LIFT_PROBES` probes gained more than 1 by a standard
 error (their steps alone, so that probes from before a change of regime do not hold it).
-It first lifted at the first probe above 1, which gains as widely spread as per-step
+A probe does what the model would: with n-gram continuations and no depth worth drafting
+it verifies them without a drafter pass (one that drafted a position anyway charged the
+lifting gains a pass the model would not run, and held a veto for eight turns at 16
+requests on code where copying paid 1.07x). It first lifted at the first probe above 1, which gains as widely spread as per-step
 gains reach by chance at a load losing 10-20%; then at least 8 more speculative steps
 went by before the next veto. Only past steps enter, so outputs stay exact, as with
 every other input of the decision.
@@ -92,7 +95,9 @@ logger = logging.getLogger(__name__)
 GAIN_FORGETTING = 0.99
 REFERENCE_SMOOTHING = 0.1
 # Speculative steps (effective count) and plain steps a bucket needs before it can veto,
-# and the speculative steps of a probe (its drafting step and its verifying step).
+# and the speculative steps of a probe that drafts (its drafting step and its verifying
+# step; one that only verifies n-gram continuations has one, so the window then holds
+# twice LIFT_PROBES of them).
 MIN_SPECULATIVE_STEPS = 8.0
 MIN_PLAIN_STEPS = 2
 PROBE_STEPS = 2.0
