@@ -3,6 +3,8 @@ the veto they give the controller, and the way back once speculating pays again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -271,7 +273,8 @@ def test_a_vetoed_load_verifies_no_ngram_rows_either() -> None:
     assert off.decide(inputs).verified.sum() > 0, "verified without the check (uniform prior 0.5)"
 
 
-def serve_hybrid(ctrl: VerificationController, requests: int, steps: int, verifying_extra) -> list[bool]:
+def serve_hybrid(ctrl: VerificationController, requests: int, steps: int,
+                 verifying_extra: Callable[[int], float]) -> list[bool]:
     """Every request has an n-gram continuation on every step after the first (whose
     drafter block, survival 0.05, teaches the controller not to draft); a verifying request
     accepts one draft; a step that verifies costs `verifying_extra(step)` seconds more than

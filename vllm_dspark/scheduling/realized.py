@@ -25,9 +25,9 @@ error (their steps alone, so that probes from before a change of regime do not h
 A probe does what the model would: with n-gram continuations and no depth worth drafting
 it verifies them without a drafter pass (one that drafted a position anyway charged the
 lifting gains a pass the model would not run, and held a veto for eight turns at 16
-requests on code where copying paid 1.07x). It first lifted at the first probe above 1, which gains as widely spread as per-step
-gains reach by chance at a load losing 10-20%; then at least 8 more speculative steps
-went by before the next veto. Only past steps enter, so outputs stay exact, as with
+requests on code where copying paid 1.07x). The lift first came at the first probe above
+1, which gains as widely spread as per-step gains reach by chance at a load losing
+10-20%; then at least 8 more speculative steps went by before the next veto. Only past steps enter, so outputs stay exact, as with
 every other input of the decision.
 
 The mean over requests can gain while some request loses: requests whose drafts are
