@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -300,7 +301,7 @@ def serve_turn(llm, requests: list[tuple[list, object]], concurrency: int) -> di
                     queue_waits[index] = metrics.scheduled_ts - metrics.queued_ts
         admit()
     speeds = decode_speeds(finished)
-    latencies = [o.metrics.first_token_latency for o in finished if o.metrics is not None]
+    latencies = [latency for latency in first_tokens if not math.isnan(latency)]  # the requests with metrics
     nan = float("nan")
     return {"seconds": time.perf_counter() - start, "tokens": sum(len(o.outputs[0].token_ids) for o in finished),
             "decode": statistics.fmean(speeds) if speeds else nan, "slowest_decode": min(speeds, default=nan),
@@ -349,6 +350,10 @@ def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict, re
     per_user = [turn_per_user_tok_s(w, max_tokens, requests_per_user) for w in waves]
     wave = statistics.median(seconds)
     after = waves[-1]
+
+    def every_request(key: str) -> list[float]:
+        return [value for w in waves for value in w[key]]
+
     delta = {key: after["spec"].get(key, 0) - before["spec"].get(key, 0) for key in ("num_drafts", "num_accepted_tokens", "num_draft_tokens")}
     drafts = delta["num_drafts"]
     return {
@@ -365,9 +370,9 @@ def summarize_waves(r: int, max_tokens: int, waves: list[dict], before: dict, re
         "waves_seconds": seconds,
         "turns_per_user_tok_s": per_user,  # in repeat order: turn i of every row served the same prompts
         # every request of every turn in order, so rows pair request by request (closed loops)
-        "requests_tok_s": [speed for w in waves for speed in w["user_tok_s"]],
-        "requests_first_token_s": [s for w in waves for s in w["user_first_token_s"]],
-        "requests_queue_s": [s for w in waves for s in w["user_queue_s"]],
+        "requests_tok_s": every_request("user_tok_s"),
+        "requests_first_token_s": every_request("user_first_token_s"),
+        "requests_queue_s": every_request("user_queue_s"),
         "tokens": sum(w["tokens"] for w in waves),
         "draft_tokens": delta["num_draft_tokens"],
         **plugin_delta(before["plugin"], after["plugin"]),

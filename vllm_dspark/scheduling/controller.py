@@ -507,7 +507,7 @@ class VerificationController:
                 # drafted anyway would charge a drafter pass the model would not run to
                 # the gains that lift the veto (at 16 requests on code that pass held a
                 # veto for eight turns where copying paid 1.07x; closed_loop/README.md).
-                depth, probing = (best if best or self.ngram is not None else probe), False
+                depth, probing = best or (0 if self.ngram is not None else probe), False
             elif drafter_vetoed and probe:  # the drafter's own probe: it drafts, never left out
                 depth, probing = max(probe, best), True
             else:

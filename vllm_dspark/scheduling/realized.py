@@ -27,8 +27,8 @@ it verifies them without a drafter pass (one that drafted a position anyway char
 lifting gains a pass the model would not run, and held a veto for eight turns at 16
 requests on code where copying paid 1.07x). The lift first came at the first probe above
 1, which gains as widely spread as per-step gains reach by chance at a load losing
-10-20%; then at least 8 more speculative steps went by before the next veto. Only past steps enter, so outputs stay exact, as with
-every other input of the decision.
+10-20%; then at least 8 more speculative steps went by before the next veto. Only past
+steps enter, so outputs stay exact, as with every other input of the decision.
 
 The mean over requests can gain while some request loses: requests whose drafts are
 rarely accepted pay every speculative step's cost for about one token, so at 16 requests
