@@ -208,6 +208,20 @@ def with_commit(plan: dict[str, dict], commit: str, plugin: Path) -> dict[str, d
     return plan | {f"{name} @ {commit}": at_commit(settings) for name, settings in plan.items() if ours(settings)}
 
 
+def with_profile(plan: dict[str, dict], profile: str) -> dict[str, dict]:
+    """`plan` plus, for every row that prices drafts, the same row pricing them with the SPS
+    profile file `profile` (named "... @ profile STEM"): two curves side by side in one run."""
+    def prices_drafts(settings: dict) -> bool:
+        return "sps_profile" in settings.get("additional_config", {}).get("vllm_dspark", {})
+
+    def with_curve(settings: dict) -> dict:
+        plugin = {k: v for k, v in settings["additional_config"]["vllm_dspark"].items() if k not in AUTO_CURVE}
+        return settings | {"additional_config": {"vllm_dspark": plugin | curve_options(profile)}}
+
+    return plan | {f"{name} @ profile {Path(profile).stem}": with_curve(settings)
+                   for name, settings in plan.items() if prices_drafts(settings)}
+
+
 def baseline_name(name: str) -> str:
     """The row `name` is compared with: plain decoding, under the same OpenMP runtime."""
     name = name.split(" @ ")[0]
@@ -621,6 +635,8 @@ def main() -> int:
                              "less lets more engines fit at R = 64")
     parser.add_argument("--baseline-commit", default=None,
                         help="also run every vllm_dspark row with the plugin as of this git commit (A/B of a change)")
+    parser.add_argument("--compare-profile", default=None,
+                        help="also run every row that prices drafts with this SPS profile JSON (two curves A/B)")
     parser.add_argument("--out", type=Path, default=RESULTS / "serve_frontier")
     args = parser.parse_args()
     if args.requests_per_user < 1:
@@ -637,6 +653,8 @@ def main() -> int:
     if args.baseline_commit:
         plugin = plugin_at_commit(args.baseline_commit, Path(tempfile.mkdtemp(prefix="vllm-dspark-baseline-")))
         plan = with_commit(plan, args.baseline_commit, plugin)
+    if args.compare_profile:
+        plan = with_profile(plan, args.compare_profile)
     if args.kv_cache_mib_per_request is not None:
         kv_bytes = kv_cache_bytes(max(args.concurrency), args.kv_cache_mib_per_request << 20)
         plan = {name: settings | {"kv_cache_memory_bytes": kv_bytes} for name, settings in plan.items()}
@@ -656,6 +674,7 @@ def main() -> int:
         "openmp": {"inherit": f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}", "gnu": "GNU libgomp",
                    "intel": "Intel libiomp5 (preloaded)", "both": "each row under GNU libgomp and Intel libiomp5"}[args.openmp],
         "baseline_commit": args.baseline_commit,
+        "compare_profile": args.compare_profile,
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
 

@@ -10,6 +10,7 @@ import pytest
 
 from tests.benchmark_scripts import load_benchmark
 from vllm_dspark.config import PluginOptions
+from vllm_dspark.scheduling.sps import SpsCurve
 
 
 def load_script():
@@ -244,3 +245,20 @@ def test_a_commit_runs_beside_the_working_tree(tmp_path: Path):
     assert list(both) == ["no-spec", "ngram-k3", "dspark", "dspark @ abc123"]
     assert both["dspark @ abc123"] == plan["dspark"] | {"plugin_path": str(plugin)}
     assert frontier.baseline_name("dspark @ abc123") == "no-spec"
+
+
+def test_a_second_profile_prices_a_twin_of_every_row_that_prices_drafts(tmp_path: Path):
+    """--compare-profile: every row on the start-up curve twice, the twin pinned to the file;
+    rows that price nothing (plain, vLLM's n-gram, fixed k) are not doubled."""
+    frontier = load_script()
+    dense = tmp_path / "dense.json"
+    SpsCurve(points=[(1, 30.0), (8, 28.0), (16, 20.0)]).save(dense)
+    plan = {name: settings for name, settings in frontier.configurations("DRAFTER", 7).items()
+            if name in ("no-spec", "ngram-k3", "fixed-k3", "dspark + n-gram")}
+    both = frontier.with_profile(plan, str(dense))
+    assert list(both) == [*plan, "dspark + n-gram @ profile dense"]
+    twin = PluginOptions.from_additional_config(both["dspark + n-gram @ profile dense"]["additional_config"])
+    row = PluginOptions.from_additional_config(plan["dspark + n-gram"]["additional_config"])
+    assert (twin.sps_profile, twin.profile_at_startup) == (str(dense.resolve()), False)
+    assert twin.model_copy(update={"sps_profile": "auto", "profile_at_startup": True}) == row
+    assert frontier.baseline_name("dspark + n-gram @ profile dense") == "no-spec"

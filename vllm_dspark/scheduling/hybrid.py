@@ -53,12 +53,13 @@ class NgramProposals:
 
 
 def lookup_continuations(
-    token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray, k: int, max_model_len: int
+    token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray, k: int, max_model_len: int,
+    max_match: int = MAX_MATCH,
 ) -> NgramProposals:
     """N-gram continuations for `rows` of `token_ids` [batch, max_len], whose first
     `num_tokens[row]` entries are that request's prompt and output so far (the layout of
     vLLM's input batch): per row the most recent earlier end position whose preceding
-    tokens match the context's suffix longest (at most MAX_MATCH), and up to k tokens that
+    tokens match the context's suffix longest (at most `max_match`), and up to k tokens that
     followed it, never past `max_model_len`. Vectorised over rows and positions (no loop
     over requests; numba, which vLLM's own lookup uses, breaks vLLM 0.32's CPU kernel
     overrides for every later engine in the process)."""
@@ -76,7 +77,7 @@ def lookup_continuations(
     # run[r, e] = how many tokens ending at e equal the suffix ending at last[r] (capped).
     alive = positions[None, :] < last[:, None]  # an end strictly before the suffix's own
     run = np.zeros((len(rows), width), dtype=np.int64)
-    for back in range(MAX_MATCH):
+    for back in range(max_match):
         source, target = positions - back, last - back
         same = context[:, np.maximum(source, 0)] == context[np.arange(len(rows)), np.maximum(target, 0)][:, None]
         alive &= same & (source >= 0)[None, :] & (target >= 0)[:, None]

@@ -1,0 +1,154 @@
+"""Which prompt-lookup rule predicts the target's own continuations best, offline.
+
+The hybrid proposals (`vllm_dspark.scheduling.hybrid.lookup_continuations`) take the most
+recent earlier occurrence of the context's longest suffix match, matching up to
+`MAX_MATCH` tokens; vLLM's n-gram proposer takes the earliest occurrence of the longest
+match up to `prompt_lookup_max` (4 in our baseline row). Which rule copies better is a
+property of the target's text, not of the engine, so it is measured here without one: at
+every position of the target's own responses in the committed training corpus (never the
+evaluation prompts), each rule proposes up to K tokens from the context so far, and the
+proposal is scored by how many of its tokens match the response's next tokens (what
+verification would accept against that continuation). The corpus was sampled at T = 0.7,
+so this scores copying of sampled text; greedy text copies more, alike for every rule.
+
+    python benchmarks/ngram_lookup_rules.py --records 200
+
+Writes benchmarks/results/ngram_lookup_rules.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from vllm_dspark.scheduling.hybrid import MAX_MATCH, MIN_MATCH, lookup_continuations
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO / "examples" / "drafters" / "corpus" / "smollm2-generated.jsonl.xz"
+DOMAINS = ("code", "chat", "math")
+K = 7  # the drafter's block; the first 3 positions are vLLM's baseline depth
+BASELINE_DEPTH = 3
+
+# A rule maps (the record's tokens, the context lengths to propose after) to the proposals'
+# tokens [positions, K] and lengths [positions].
+Rule = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+def ours(max_match: int = MAX_MATCH) -> Rule:
+    """The plugin's lookup, every position of one record at once (one row per position)."""
+    def rule(tokens: np.ndarray, context_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows = np.broadcast_to(tokens, (len(context_lengths), len(tokens)))
+        proposals = lookup_continuations(rows, context_lengths, np.arange(len(context_lengths)), K,
+                                         len(tokens) + K, max_match)
+        return proposals.tokens, proposals.lengths
+
+    return rule
+
+
+def vllm_rule(max_ngram: int) -> Rule:
+    """vLLM's own proposer function (earliest occurrence of the longest match)."""
+    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as find
+
+    def rule(tokens: np.ndarray, context_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        proposed = np.zeros((len(context_lengths), K), dtype=np.int64)
+        lengths = np.zeros(len(context_lengths), dtype=np.int64)
+        for i, length in enumerate(context_lengths):
+            draft = find(tokens[:length], MIN_MATCH, max_ngram, len(tokens) + K, K)
+            proposed[i, : len(draft)], lengths[i] = draft, len(draft)
+        return proposed, lengths
+
+    return rule
+
+
+def rules(longer_matches: list[int]) -> dict[str, Rule]:
+    """vLLM's rule as the baseline row runs it and matching as far as ours, ours, and ours
+    matching further (`longer_matches`)."""
+    return {
+        "vLLM: earliest, longest match up to 4": vllm_rule(4),
+        f"vLLM's rule, longest match up to {MAX_MATCH}": vllm_rule(MAX_MATCH),
+        f"ours: most recent, longest match up to {MAX_MATCH}": ours(),
+    } | {f"ours, longest match up to {n}": ours(n) for n in longer_matches}
+
+
+def records(path: Path, domain: str, count: int) -> Iterator[tuple[np.ndarray, int]]:
+    """Prompt + response token ids of the first `count` corpus records of `domain`."""
+    with lzma.open(path, "rt") as lines:
+        for line in lines:
+            record = json.loads(line)
+            if record["domain"] == domain and count > 0:
+                count -= 1
+                yield np.asarray(record["prompt_token_ids"] + record["response_token_ids"], dtype=np.int64), len(
+                    record["prompt_token_ids"])
+
+
+def accepted(proposed: np.ndarray, lengths: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """[positions] leading proposed tokens equal to the true continuation."""
+    valid = (np.arange(K) < lengths[:, None]) & (proposed == truth)
+    return np.cumprod(valid, axis=1).sum(axis=1)
+
+
+def score(path: Path, domain: str, count: int, rules: dict[str, Rule]) -> dict[str, dict[str, float]]:
+    totals = {name: np.zeros(4) for name in rules}  # positions, proposals, accepted of 3, of K
+    for tokens, prompt_length in tqdm(list(records(path, domain, count)), desc=domain, unit="record"):
+        context_lengths = np.arange(prompt_length, len(tokens))
+        padded = np.r_[tokens, np.full(K, -1)]
+        truth = np.stack([padded[context_lengths + j] for j in range(K)], axis=1)
+        for name, rule in rules.items():
+            proposed, lengths = rule(tokens, context_lengths)
+            hits = accepted(proposed, lengths, truth)
+            totals[name] += [len(context_lengths), (lengths > 0).sum(), np.minimum(hits, BASELINE_DEPTH).sum(), hits.sum()]
+    return {name: {"positions": int(t[0]), "proposal_rate": t[1] / t[0],
+                   f"accepted_of_{BASELINE_DEPTH}_per_proposal": t[2] / max(t[1], 1),
+                   f"accepted_of_{K}_per_proposal": t[3] / max(t[1], 1),
+                   f"accepted_of_{BASELINE_DEPTH}_per_position": t[2] / t[0],
+                   f"accepted_of_{K}_per_position": t[3] / t[0]} for name, t in totals.items()}
+
+
+def markdown(results: dict[str, dict[str, dict[str, float]]], meta: dict) -> str:
+    lines = [
+        "# Prompt-lookup rules on the target's own text (offline)", "",
+        f"{meta['records']} records per domain of `{meta['corpus']}` (SmolLM2's responses sampled at T = 0.7; "
+        f"no evaluation prompt), measured {meta['date']}. At every response position each rule proposes up to "
+        f"K = {K} tokens from the context so far; a proposal is scored by its leading tokens equal to the "
+        f"response's next ones (of the first {BASELINE_DEPTH}, vLLM's baseline depth, and of all {K}).", "",
+        f"| domain | rule | positions with a proposal | accepted of {BASELINE_DEPTH} per proposal | "
+        f"accepted of {K} per proposal | accepted of {K} per position |",
+        "|---|---|---|---|---|---|",
+    ]
+    for domain, rows in results.items():
+        for name, r in rows.items():
+            lines.append(f"| {domain} | {name} | {r['proposal_rate']:.3f} | "
+                         f"{r[f'accepted_of_{BASELINE_DEPTH}_per_proposal']:.3f} | "
+                         f"{r[f'accepted_of_{K}_per_proposal']:.3f} | {r[f'accepted_of_{K}_per_position']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--records", type=int, default=200, help="records per domain")
+    parser.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=DOMAINS)
+    parser.add_argument("--longer-matches", type=int, nargs="*", default=[16, 32],
+                        help="also score our rule matching up to these many tokens")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "ngram_lookup_rules")
+    args = parser.parse_args()
+    scored = rules(args.longer_matches)
+    results = {domain: score(args.corpus, domain, args.records, scored) for domain in args.domains}
+    meta = {"corpus": str(args.corpus.relative_to(REPO)) if args.corpus.is_relative_to(REPO) else str(args.corpus),
+            "records": args.records, "k": K, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    args.out.with_suffix(".md").write_text(markdown(results, meta))
+    print(markdown(results, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
