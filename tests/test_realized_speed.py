@@ -267,9 +267,11 @@ def test_a_vetoed_load_verifies_no_ngram_rows_either() -> None:
     plan = ctrl.plan_drafting(4)
     while plan.depth:  # past a probe
         plan = ctrl.plan_drafting(4)
+    assert not plan.verifies, "the worker is told: no lookup, nothing will be verified"
     inputs = StepInputs(tuple("abcd"), np.zeros((4, 7)), np.full(4, 5), np.ones(4, bool), ngram_matches=np.full(4, 6))
     assert ctrl.decide(inputs).verified.sum() == 0
     off = controller(False)
+    assert off.plan_drafting(4).verifies
     assert off.decide(inputs).verified.sum() > 0, "verified without the check (uniform prior 0.5)"
 
 
@@ -278,18 +280,21 @@ def serve_hybrid(ctrl: VerificationController, requests: int, steps: int,
     """Every request has an n-gram continuation on every step after the first (whose
     drafter block, survival 0.05, teaches the controller not to draft); a verifying request
     accepts one draft; a step that verifies costs `verifying_extra(step)` seconds more than
-    the profile says. Returns, per step, whether it verified anything."""
-    now, ids, verifies = 0.0, tuple(map(str, range(requests))), []
+    the profile says. Returns, per step, whether it verified anything. A plan that tells the
+    worker the next step verifies nothing (so it looks nothing up) must hold."""
+    now, ids, verifies, promised = 0.0, tuple(map(str, range(requests))), [], True
     for step in range(steps):
         ctrl.step_started(now)
         matches = np.full(requests, 0 if step == 0 else 6)
         confidences = np.full((requests, 7), 0.05)
         inputs = StepInputs(ids, confidences, np.full(requests, 7), np.ones(requests, bool), ngram_matches=matches)
         verified = ctrl.decide(inputs).verified
+        assert promised or not verified.any(), f"step {step} verified after the plan said it would not"
         tokens = requests + int(verified.sum())
         ctrl.step_scheduled(now, tokens, num_requests=requests)
         ctrl.observe(np.minimum(verified, 1) + 1)
-        depth = ctrl.plan_drafting(requests).depth
+        plan = ctrl.plan_drafting(requests)
+        depth, promised = plan.depth, plan.verifies
         drafting = 0.001 * requests * depth
         if depth:
             ctrl.observe_drafting(requests, depth, requests * depth, drafting)

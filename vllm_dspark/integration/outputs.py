@@ -26,6 +26,10 @@ POINT_MASS_FIELD = "vllm_dspark_point_mass"
 # Attribute of SchedulerOutput: the scheduled requests admitted without the drafter, whose
 # tokens the worker leaves out of the drafter's context (scheduling/drafter_ledger.py).
 WITHOUT_DRAFTER_FIELD = "vllm_dspark_without_drafter"
+# Attribute of SchedulerOutput: whether the next step may verify what is proposed after this
+# one (False where the measured check keeps it plain): without it the worker looks up no
+# n-gram continuations, and the scheduler has nothing to choose or rank.
+VERIFIES_NEXT_FIELD = "vllm_dspark_verifies_next"
 
 
 @dataclass

@@ -31,6 +31,7 @@ from vllm_dspark.integration.outputs import (
     DRAFTER_SKIP_FIELD,
     MIN_SURVIVAL_FIELD,
     POINT_MASS_FIELD,
+    VERIFIES_NEXT_FIELD,
     WITHOUT_DRAFTER_FIELD,
 )
 from vllm_dspark.kernels import dispatch
@@ -178,6 +179,7 @@ class DSparkScheduler(Scheduler):
         output.num_spec_tokens_to_schedule = plan.depth
         setattr(output, MIN_SURVIVAL_FIELD, plan.min_survival)
         setattr(output, DRAFTER_SKIP_FIELD, plan.drafter_skip)
+        setattr(output, VERIFIES_NEXT_FIELD, plan.verifies)
         return output
 
     def _count_with_drafter(self, req_ids: list[str]) -> int:

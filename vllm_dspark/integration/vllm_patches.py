@@ -13,7 +13,8 @@ reads is in `compat.py`). Each patch is idempotent and applies in every vLLM pro
 4. The V1 runner's `DFlashProposer` name resolves to `DSparkProposer`.
 5. `GPUModelRunner.take_draft_token_ids` attaches the proposer's confidences, its cost
    report and (hybrid option) each request's n-gram continuation, looked up in the input
-   batch's token ids once the step's tokens are in; `propose_draft_token_ids` hands the
+   batch's token ids once the step's tokens are in, unless the scheduler said the next
+   step verifies nothing (`VERIFIES_NEXT_FIELD`); `propose_draft_token_ids` hands the
    proposer the early-stop survival the scheduler put on the scheduler output
    (`MIN_SURVIVAL_FIELD`) and, where the scheduler's `DrafterSkip` (`DRAFTER_SKIP_FIELD`)
    predicts the step faster with the requests' continuations alone, has it store only
@@ -165,6 +166,7 @@ def _patch_model_runner() -> None:
         DRAFTER_SKIP_FIELD,
         MIN_SURVIVAL_FIELD,
         POINT_MASS_FIELD,
+        VERIFIES_NEXT_FIELD,
         WITHOUT_DRAFTER_FIELD,
         DraftTokenIdsWithConfidence,
     )
@@ -188,7 +190,8 @@ def _patch_model_runner() -> None:
         if confidences is not None:
             confidences = confidences[: len(drafts.req_ids)]
         ngram = None
-        if _hybrid_ngram(self):
+        # Not where the next step verifies nothing: no continuation would be.
+        if _hybrid_ngram(self) and getattr(self, "_vllm_dspark_verifies_next", True):
             batch = self.input_batch
             looked_up, self._vllm_dspark_lookup = getattr(self, "_vllm_dspark_lookup", None), None
             if looked_up is not None and looked_up[0] == tuple(drafts.req_ids):
@@ -274,6 +277,7 @@ def _patch_model_runner() -> None:
     @functools.wraps(original_propose)
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
+        self._vllm_dspark_verifies_next = getattr(scheduler_output, VERIFIES_NEXT_FIELD, True)
         if isinstance(drafter, DSparkProposer):
             without = getattr(scheduler_output, WITHOUT_DRAFTER_FIELD, frozenset())
             drafter.context_kept = compat.tokens_with_drafter(self, scheduler_output, without) if without else None

@@ -114,6 +114,8 @@ class DraftPlan:
     min_survival: float  # a request stops drafting once its prefix survival falls below this
     # Hybrid: when the worker may leave the drafter out for n-gram continuations (None: never).
     drafter_skip: hybrid.DrafterSkip | None = None
+    # False: the measured check keeps the next step plain, so nothing proposed now is verified.
+    verifies: bool = True
 
 
 class DraftingCost:
@@ -479,7 +481,7 @@ class VerificationController:
             self._verification_vetoed = True
             self.stats.reference_steps += 1
             self.stats.record_plan(0)
-            return DraftPlan(0, 0.0, None)
+            return DraftPlan(0, 0.0, None, verifies=False)
         if self._checks_drafter and num_requests and (
                 self._drafter_reference_left or self.realized.drafter_reference_due(num_requests)):
             # Two steps without the drafter, n-gram continuations verified: the first still
@@ -519,7 +521,7 @@ class VerificationController:
         self.stats.record_plan(depth)
         # A probe measures the drafter, so the worker must not leave it out.
         skip = None if probing else self._drafter_skip(num_requests, depth)
-        return DraftPlan(depth, floor if depth else 0.0, skip)
+        return DraftPlan(depth, floor if depth else 0.0, skip, verifies=not self._verification_vetoed)
 
     def _mark_step(self, role: DrafterRole) -> None:
         """Tell the drafter's check what the step just scheduled (if timed) samples."""
