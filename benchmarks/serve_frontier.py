@@ -469,16 +469,22 @@ def plugin_stats(llm) -> dict | None:
             "lm_head_rows": stats.lm_head_rows, "drafting_seconds": stats.drafting_seconds,
             "step_time_scale": stats.step_time_scale, "step_overhead_ms": stats.step_overhead_ms,
             "vetoed_steps": stats.vetoed_steps, "drafter_vetoed_steps": stats.drafter_vetoed_steps,
-            "drafter_skipped_steps": stats.drafter_skipped_steps}
+            "drafter_skipped_steps": stats.drafter_skipped_steps, "verified": stats.verified,
+            "accepted": stats.accepted, "ngram_verified": stats.ngram_verified, "ngram_accepted": stats.ngram_accepted}
 
 
 def plugin_delta(before: dict | None, after: dict | None) -> dict:
     """Drafting in one concurrency's waves: share of steps that drafted nothing, mean
-    depth, LM-head rows and drafting milliseconds per step; and the step-time model the
-    controller had learned by the end of them (what its decisions priced steps with)."""
+    depth, LM-head rows and drafting milliseconds per step, drafts verified and accepted
+    per step by source (the drafter's block, an n-gram continuation); and the step-time
+    model the controller had learned by the end of them (what its decisions priced steps
+    with)."""
     if before is None or after is None:
         return {}
     steps = max(1, after["steps"] - before["steps"])
+
+    def per_step(key: str) -> float:
+        return (after[key] - before[key]) / steps
     depths = [a - (before["depths"][d] if d < len(before["depths"]) else 0) for d, a in enumerate(after["depths"])]
     return {
         "engine_steps": steps,
@@ -489,6 +495,10 @@ def plugin_delta(before: dict | None, after: dict | None) -> dict:
         "mean_draft_depth": sum(d * n for d, n in enumerate(depths)) / steps,
         "lm_head_rows_per_step": (after["lm_head_rows"] - before["lm_head_rows"]) / steps,
         "drafting_ms_per_step": 1000.0 * (after["drafting_seconds"] - before["drafting_seconds"]) / steps,
+        "drafter_verified_per_step": per_step("verified") - per_step("ngram_verified"),
+        "drafter_accepted_per_step": per_step("accepted") - per_step("ngram_accepted"),
+        "ngram_verified_per_step": per_step("ngram_verified"),
+        "ngram_accepted_per_step": per_step("ngram_accepted"),
         "step_time_scale": after.get("step_time_scale", 1.0),
         "step_overhead_ms": after.get("step_overhead_ms", 0.0),
     }
@@ -564,8 +574,9 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
         "| accepted length (steps with drafts) | verified drafts/step "
         "| steps without drafting (by the measured checks: all plain; drafter only) "
         "| mean draft depth | drafting ms/step "
+        "| accepted / verified per step: drafter; n-gram "
         "| learned step model |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     from vllm_dspark.scheduling import SpsCurve
 
@@ -583,6 +594,9 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
                         f"{row['steps_drafter_vetoed']:.0%}) | {row['mean_draft_depth']:.2f} "
                         f"| {row['drafting_ms_per_step']:.1f}"
                         if "mean_draft_depth" in row else "- | - | -")
+            sources = (f"{row['drafter_accepted_per_step']:.2f} / {row['drafter_verified_per_step']:.2f}; "
+                       f"{row['ngram_accepted_per_step']:.2f} / {row['ngram_verified_per_step']:.2f}"
+                       if "drafter_verified_per_step" in row else "-")
             model = (f"{row['step_time_scale']:.2f} x profile {row['step_overhead_ms']:+.1f} ms"
                      if "step_time_scale" in row else "-")
             timing = f"{row['slowest_decode_tok_s']:.2f} | {row['first_token_s']:.3f}"
@@ -590,7 +604,7 @@ def write_results(results: dict, meta: dict, out: Path) -> None:
             predicted_text = "-" if predicted is None else f"{predicted:.2f}x"
             lines.append(
                 f"| {name} | {row['concurrency']} | {row['throughput_tok_s']:.1f} | {row['per_user_tok_s']:.2f} "
-                f"({slowest:.2f}-{fastest:.2f}) | {ratio} | {paired} | {predicted_text} | {decode:.2f} | {decode_ratio} | {timing} | {row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} | {drafting} | {model} |"
+                f"({slowest:.2f}-{fastest:.2f}) | {ratio} | {paired} | {predicted_text} | {decode:.2f} | {decode_ratio} | {timing} | {row['accepted_length']:.2f} | {row['verified_drafts_per_step']:.2f} | {drafting} | {sources} | {model} |"
             )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 

@@ -44,7 +44,8 @@ def test_report_has_every_row(tmp_path: Path):
            "turns_per_user_tok_s": [24.0, 25.0, 20.0]}
     drafted = {**row, "per_user_tok_s": 12.0, "decode_tok_s_per_user": 45.0, "steps_without_drafting": 0.5, "mean_draft_depth": 1.25,
                "drafting_ms_per_step": 3.5, "steps_vetoed": 0.25, "steps_drafter_vetoed": 0.125, "engine_steps": 32, "tokens": 192, "draft_tokens": 96,
-               "step_time_scale": 1.25, "step_overhead_ms": -4.0,
+               "step_time_scale": 1.25, "step_overhead_ms": -4.0, "drafter_verified_per_step": 1.5,
+               "drafter_accepted_per_step": 0.5, "ngram_verified_per_step": 2.0, "ngram_accepted_per_step": 1.25,
                "turns_per_user_tok_s": [12.0, 25.0, 15.0]}  # paired speed-ups 0.5, 1.0, 0.75
     results = {"no-spec": [row], "dspark": [drafted]}
     # Step times 0.1 s at B = 1 and 0.2 s at B = 8: 1.5 tokens per request per step with 3
@@ -53,8 +54,8 @@ def test_report_has_every_row(tmp_path: Path):
     frontier.write_results(results, meta, tmp_path / "frontier")
     assert json.loads((tmp_path / "frontier.json").read_text())["results"] == results
     table = (tmp_path / "frontier.md").read_text()
-    assert "| no-spec | 4 | 96.0 | 24.00 (20.00-25.00) | 1.00x | 1.00x (1.00-1.00) | - | 30.00 | 1.00x | 29.00 | 0.250 | 1.50 | 3.00 | - | - | - | - |" in table
-    assert "| dspark | 4 | 96.0 | 12.00 (20.00-25.00) | 0.50x | 0.75x (0.50-1.00) | 1.15x | 45.00 | 1.50x | 29.00 | 0.250 | 1.50 | 3.00 | 50% (25%; 12%) | 1.25 | 3.5 | 1.25 x profile -4.0 ms |" in table
+    assert "| no-spec | 4 | 96.0 | 24.00 (20.00-25.00) | 1.00x | 1.00x (1.00-1.00) | - | 30.00 | 1.00x | 29.00 | 0.250 | 1.50 | 3.00 | - | - | - | - | - |" in table
+    assert "| dspark | 4 | 96.0 | 12.00 (20.00-25.00) | 0.50x | 0.75x (0.50-1.00) | 1.15x | 45.00 | 1.50x | 29.00 | 0.250 | 1.50 | 3.00 | 50% (25%; 12%) | 1.25 | 3.5 | 0.50 / 1.50; 1.25 / 2.00 | 1.25 x profile -4.0 ms |" in table
     assert (tmp_path / "frontier.png").stat().st_size > 0
 
 
@@ -262,3 +263,17 @@ def test_a_second_profile_prices_a_twin_of_every_row_that_prices_drafts(tmp_path
     assert (twin.sps_profile, twin.profile_at_startup) == (str(dense.resolve()), False)
     assert twin.model_copy(update={"sps_profile": "auto", "profile_at_startup": True}) == row
     assert frontier.baseline_name("dspark + n-gram @ profile dense") == "no-spec"
+
+
+def test_drafts_verified_and_accepted_are_split_by_source_per_step():
+    """plugin_delta: one concurrency's drafts by source, per engine step; the drafter's share
+    is the total less the n-gram continuations'."""
+    frontier = load_script()
+    zero = {"steps": 10, "depths": [10], "lm_head_rows": 0, "drafting_seconds": 0.0, "vetoed_steps": 0,
+            "drafter_vetoed_steps": 0, "drafter_skipped_steps": 0, "verified": 30, "accepted": 12,
+            "ngram_verified": 20, "ngram_accepted": 10}
+    after = zero | {"steps": 30, "depths": [20, 10], "verified": 110, "accepted": 52, "ngram_verified": 60, "ngram_accepted": 30}
+    delta = frontier.plugin_delta(zero, after)
+    assert (delta["drafter_verified_per_step"], delta["drafter_accepted_per_step"]) == (2.0, 1.0)
+    assert (delta["ngram_verified_per_step"], delta["ngram_accepted_per_step"]) == (2.0, 1.0)
+
