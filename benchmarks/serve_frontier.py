@@ -485,16 +485,17 @@ def plugin_delta(before: dict | None, after: dict | None) -> dict:
 
     def per_step(key: str) -> float:
         return (after[key] - before[key]) / steps
+
     depths = [a - (before["depths"][d] if d < len(before["depths"]) else 0) for d, a in enumerate(after["depths"])]
     return {
         "engine_steps": steps,
         "steps_without_drafting": depths[0] / steps if depths else 0.0,
-        "steps_vetoed": (after["vetoed_steps"] - before["vetoed_steps"]) / steps,
-        "steps_drafter_vetoed": (after["drafter_vetoed_steps"] - before["drafter_vetoed_steps"]) / steps,
-        "steps_drafter_left_out_for_ngram": (after["drafter_skipped_steps"] - before["drafter_skipped_steps"]) / steps,
+        "steps_vetoed": per_step("vetoed_steps"),
+        "steps_drafter_vetoed": per_step("drafter_vetoed_steps"),
+        "steps_drafter_left_out_for_ngram": per_step("drafter_skipped_steps"),
         "mean_draft_depth": sum(d * n for d, n in enumerate(depths)) / steps,
-        "lm_head_rows_per_step": (after["lm_head_rows"] - before["lm_head_rows"]) / steps,
-        "drafting_ms_per_step": 1000.0 * (after["drafting_seconds"] - before["drafting_seconds"]) / steps,
+        "lm_head_rows_per_step": per_step("lm_head_rows"),
+        "drafting_ms_per_step": 1000.0 * per_step("drafting_seconds"),
         "drafter_verified_per_step": per_step("verified") - per_step("ngram_verified"),
         "drafter_accepted_per_step": per_step("accepted") - per_step("ngram_accepted"),
         "ngram_verified_per_step": per_step("ngram_verified"),
