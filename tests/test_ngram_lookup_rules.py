@@ -28,6 +28,6 @@ def test_matching_further_finds_the_longer_context():
     tokens = np.array([1, 2, 3, 4, 30, 31, 9, 3, 4, 50, 51, 8, 1, 2, 3, 4, 30, 31])
     at = np.array([len(tokens) - 2])  # context ends with `1 2 3 4`
     truth = np.array([[30, 31, -1, -1, -1, -1, -1]])
-    short, long = rules.ours(2), rules.ours(8)
+    short, long = rules.lookup(2), rules.lookup(8)
     assert rules.accepted(*short(tokens, at), truth)[0] == 0  # `3 4` last seen before `50 51`
     assert rules.accepted(*long(tokens, at), truth)[0] == 2

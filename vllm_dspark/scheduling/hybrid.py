@@ -54,7 +54,7 @@ class NgramProposals:
 
 def lookup_continuations(
     token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray, k: int, max_model_len: int,
-    max_match: int = MAX_MATCH,
+    max_match: int = MAX_MATCH, most_recent: bool = True,
 ) -> NgramProposals:
     """N-gram continuations for `rows` of `token_ids` [batch, max_len], whose first
     `num_tokens[row]` entries are that request's prompt and output so far (the layout of
@@ -62,7 +62,9 @@ def lookup_continuations(
     tokens match the context's suffix longest (at most `max_match`), and up to k tokens that
     followed it, never past `max_model_len`. Vectorised over rows and positions (no loop
     over requests; numba, which vLLM's own lookup uses, breaks vLLM 0.32's CPU kernel
-    overrides for every later engine in the process)."""
+    overrides for every later engine in the process). `most_recent=False` takes the
+    earliest such position instead, vLLM's rule (benchmarks/ngram_lookup_rules.py compares
+    the two)."""
     rows = np.asarray(rows, dtype=np.int64)
     tokens = np.zeros((len(rows), k), dtype=np.int64)
     lengths = np.zeros(len(rows), dtype=np.int64)
@@ -85,7 +87,8 @@ def lookup_continuations(
             break
         run += alive
     best = run.max(axis=1)
-    end = width - 1 - np.argmax((run == best[:, None])[:, ::-1], axis=1)  # the most recent end
+    longest = run == best[:, None]
+    end = width - 1 - np.argmax(longest[:, ::-1], axis=1) if most_recent else np.argmax(longest, axis=1)
     count = np.minimum(np.minimum(k, last - end), max_model_len - 1 - context_lengths)
     count = np.where(best >= MIN_MATCH, np.maximum(count, 0), 0)
     offsets = np.arange(k)
