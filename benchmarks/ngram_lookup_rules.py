@@ -4,13 +4,13 @@ The hybrid proposals (`vllm_dspark.scheduling.hybrid.lookup_continuations`) take
 recent earlier occurrence of the context's longest suffix match, matching up to
 `MAX_MATCH` tokens; vLLM's n-gram proposer takes the earliest occurrence of the longest
 match up to `prompt_lookup_max` (4 in our baseline row), which the same function gives
-with `most_recent=False` (`lookup`). Which rule copies better is a
-property of the target's text, not of the engine, so it is measured here without one: at
-every position of the target's own responses in the committed training corpus (never the
-evaluation prompts), each rule proposes up to K tokens from the context so far, and the
-proposal is scored by how many of its tokens match the response's next tokens (what
-verification would accept against that continuation). The corpus was sampled at T = 0.7,
-so this scores copying of sampled text; greedy text copies more, alike for every rule.
+with `most_recent=False` (`lookup`). Which rule copies better is a property of the
+target's text, not of the engine, so it is measured here without one: at every position
+of the target's own responses in the committed training corpus (never the evaluation
+prompts), each rule proposes up to K tokens from the context so far, and the proposal is
+scored by how many of its tokens match the response's next tokens (what verification
+would accept against that continuation). The corpus was sampled at T = 0.7, so this
+scores copying of sampled text; greedy text copies more, alike for every rule.
 
     python benchmarks/ngram_lookup_rules.py --records 200
 
