@@ -85,16 +85,19 @@ def accepted(proposed: np.ndarray, lengths: np.ndarray, truth: np.ndarray) -> np
     return np.cumprod(valid, axis=1).sum(axis=1)
 
 
-def score(path: Path, domain: str, count: int, rules: dict[str, Rule]) -> dict[str, dict[str, float]]:
-    totals = {name: np.zeros(4) for name in rules}  # positions, proposals, accepted of 3, of K
+def score(path: Path, domain: str, count: int, by_name: dict[str, Rule]) -> dict[str, dict[str, float]]:
+    """Each rule's proposal rate and accepted tokens, per proposal and per position, over
+    every response position of the domain's first `count` records."""
+    totals = {name: np.zeros(4) for name in by_name}  # positions, proposals, accepted of 3, of K
     for tokens, prompt_length in tqdm(list(records(path, domain, count)), desc=domain, unit="record"):
         context_lengths = np.arange(prompt_length, len(tokens))
         padded = np.r_[tokens, np.full(K, -1)]
         truth = np.stack([padded[context_lengths + j] for j in range(K)], axis=1)
-        for name, rule in rules.items():
+        for name, rule in by_name.items():
             proposed, lengths = rule(tokens, context_lengths)
             hits = accepted(proposed, lengths, truth)
-            totals[name] += [len(context_lengths), (lengths > 0).sum(), np.minimum(hits, BASELINE_DEPTH).sum(), hits.sum()]
+            totals[name] += [len(context_lengths), (lengths > 0).sum(), np.minimum(hits, BASELINE_DEPTH).sum(),
+                             hits.sum()]
     return {name: {"positions": int(t[0]), "proposal_rate": t[1] / t[0],
                    f"accepted_of_{BASELINE_DEPTH}_per_proposal": t[2] / max(t[1], 1),
                    f"accepted_of_{K}_per_proposal": t[3] / max(t[1], 1),
