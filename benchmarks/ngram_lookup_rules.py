@@ -20,8 +20,9 @@ Writes benchmarks/results/ngram_lookup_rules.{json,md}.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import lzma
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from vllm_dspark.scheduling.hybrid import MAX_MATCH, lookup_continuations
+from vllm_dspark.training.features import iter_records
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "examples" / "drafters" / "corpus" / "smollm2-generated.jsonl.xz"
@@ -69,14 +71,11 @@ def rules(longer_matches: list[int]) -> dict[str, Rule]:
 
 
 def records(path: Path, domain: str, count: int) -> Iterator[tuple[np.ndarray, int]]:
-    """Prompt + response token ids of the first `count` corpus records of `domain`."""
-    with lzma.open(path, "rt") as lines:
-        for line in lines:
-            record = json.loads(line)
-            if record["domain"] == domain and count > 0:
-                count -= 1
-                yield np.asarray(record["prompt_token_ids"] + record["response_token_ids"], dtype=np.int64), len(
-                    record["prompt_token_ids"])
+    """Prompt + response token ids, and the prompt's length, of the first `count` corpus
+    records of `domain` (read as training reads them, uncut)."""
+    in_domain = (r for r in iter_records(path, max_seq_len=sys.maxsize) if r.domain == domain)
+    for record in itertools.islice(in_domain, count):
+        yield np.asarray(record.input_ids, dtype=np.int64), record.response_start
 
 
 def accepted(proposed: np.ndarray, lengths: np.ndarray, truth: np.ndarray) -> np.ndarray:

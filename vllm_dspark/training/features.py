@@ -67,6 +67,7 @@ class TokenRecord:
     id: str
     input_ids: list[int]
     response_start: int
+    domain: str = ""  # the record's domain (math, code, chat, ...) where it names one
 
 
 def iter_records(path: Path, max_seq_len: int) -> Iterator[TokenRecord]:
@@ -96,7 +97,7 @@ def iter_records(path: Path, max_seq_len: int) -> Iterator[TokenRecord]:
                 continue
             ids = (list(prompt) + list(response))[:max_seq_len]
             if len(ids) > len(prompt):
-                yield TokenRecord(record_id, ids, len(prompt))
+                yield TokenRecord(record_id, ids, len(prompt), str(record.get("domain", "")))
 
 
 def heldout_score(record_id: str) -> float:
