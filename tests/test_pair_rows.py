@@ -31,6 +31,8 @@ def test_requests_pair_one_to_one_and_turns_by_repeat():
     assert c["turns_median"] == pytest.approx(2.1) and c["turns_range"] == pytest.approx((2.0, 2.2))
     assert c["pooled_median_ratio"] == 2.0  # medians 20 against 10
     assert c["throughput_median"] == pytest.approx((6 / 4 + 8 / 5) / 2)  # its turns' times against the base's
+    vllm_low, vllm_high = c["throughput_interval"]  # medians of resampled turns lie between the two turns
+    assert 6 / 4 <= vllm_low <= c["throughput_median"] <= vllm_high <= 8 / 5
 
 
 def test_unpaired_rows_are_refused():
