@@ -13,12 +13,15 @@ from vllm_dspark.scheduling.controller import PROBE_INTERVAL, StepInputs, Verifi
 from vllm_dspark.scheduling.sps import SpsCurve
 
 
-def reference_lookup(context: list[int], k: int, max_model_len: int) -> tuple[int, list[int]]:
-    """Brute force: the longest (<= MAX_MATCH) suffix match, most recent on ties."""
+def reference_lookup(context: list[int], k: int, max_model_len: int, max_match: int = hybrid.MAX_MATCH,
+                     most_recent: bool = True) -> tuple[int, list[int]]:
+    """Brute force: the longest (<= max_match) suffix match, the most recent (or the
+    earliest) on ties."""
     best, best_end = 0, -1
-    for end in range(len(context) - 2, -1, -1):
+    ends = range(len(context) - 2, -1, -1) if most_recent else range(len(context) - 1)
+    for end in ends:
         n = 0
-        while n < hybrid.MAX_MATCH and end - n >= 0 and context[end - n] == context[len(context) - 1 - n]:
+        while n < max_match and end - n >= 0 and context[end - n] == context[len(context) - 1 - n]:
             n += 1
         if n > best:
             best, best_end = n, end
@@ -63,14 +66,16 @@ def test_lookup_stops_at_the_context_and_the_model_length() -> None:
     assert full.lengths.tolist() == full.matches.tolist() == [0]
 
 
-def test_lookup_matches_the_brute_force_reference() -> None:
+@pytest.mark.parametrize(("max_match", "most_recent"), [(hybrid.MAX_MATCH, True), (4, False), (3, True), (12, False)])
+def test_lookup_matches_the_brute_force_reference(max_match: int, most_recent: bool) -> None:
     rng = np.random.default_rng(0)
     contexts = [rng.integers(0, 4, size=rng.integers(1, 60)).tolist() for _ in range(200)]
-    contexts += [[1, 2] * 20, [3] * 30]  # matches longer than MAX_MATCH
+    contexts += [[1, 2] * 20, [3] * 30, []]  # matches longer than MAX_MATCH; an empty row
     token_ids, num_tokens = batch(contexts, width=64)
-    out = hybrid.lookup_continuations(token_ids, num_tokens, np.arange(len(contexts)), k=4, max_model_len=58)
+    out = hybrid.lookup_continuations(token_ids, num_tokens, np.arange(len(contexts)), k=4, max_model_len=58,
+                                      max_match=max_match, most_recent=most_recent)
     for row, context in enumerate(contexts):
-        match, continuation = reference_lookup(context, 4, 58)
+        match, continuation = reference_lookup(context, 4, 58, max_match, most_recent)
         assert (out.matches[row], out.tokens[row, : out.lengths[row]].tolist()) == (match, continuation), context
 
 

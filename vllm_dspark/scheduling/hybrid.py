@@ -60,11 +60,14 @@ def lookup_continuations(
     `num_tokens[row]` entries are that request's prompt and output so far (the layout of
     vLLM's input batch): per row the most recent earlier end position whose preceding
     tokens match the context's suffix longest (at most `max_match`), and up to k tokens that
-    followed it, never past `max_model_len`. Vectorised over rows and positions (no loop
-    over requests; numba, which vLLM's own lookup uses, breaks vLLM 0.32's CPU kernel
-    overrides for every later engine in the process). `most_recent=False` takes the
-    earliest such position instead, vLLM's rule (benchmarks/ngram_lookup_rules.py compares
-    the two)."""
+    followed it, never past `max_model_len`. `most_recent=False` takes the earliest such
+    position instead, vLLM's rule (benchmarks/ngram_lookup_rules.py compares the two).
+
+    Vectorised over rows, no loop over requests (numba, which vLLM's own lookup uses,
+    breaks vLLM 0.32's CPU kernel overrides for every later engine in the process). Only
+    the positions holding the context's last token can end a match, so one comparison over
+    the contexts finds them and the match is extended backwards over those candidates
+    alone, not over every position (the worker runs this on most steps)."""
     rows = np.asarray(rows, dtype=np.int64)
     tokens = np.zeros((len(rows), k), dtype=np.int64)
     lengths = np.zeros(len(rows), dtype=np.int64)
@@ -74,21 +77,26 @@ def lookup_continuations(
         return NgramProposals(tokens, lengths, matches)
     width = int(context_lengths.max())
     context = np.asarray(token_ids)[rows, :width]
-    positions = np.arange(width)
     last = context_lengths - 1
-    # run[r, e] = how many tokens ending at e equal the suffix ending at last[r] (capped).
-    alive = positions[None, :] < last[:, None]  # an end strictly before the suffix's own
-    run = np.zeros((len(rows), width), dtype=np.int64)
-    for back in range(max_match):
-        source, target = positions - back, last - back
-        same = context[:, np.maximum(source, 0)] == context[np.arange(len(rows)), np.maximum(target, 0)][:, None]
-        alive &= same & (source >= 0)[None, :] & (target >= 0)[:, None]
+    suffix_end = context[np.arange(len(rows)), np.maximum(last, 0)]
+    # Candidate ends: strictly before the suffix's own end, holding its last token.
+    candidates = (context == suffix_end[:, None]) & (np.arange(width)[None, :] < last[:, None])
+    row_of, end_of = np.nonzero(candidates)
+    run = np.ones(len(row_of), dtype=np.int64)  # tokens matched, ending at the candidate
+    alive = np.ones(len(row_of), dtype=bool)
+    for back in range(1, max_match):
+        source, target = end_of - back, last[row_of] - back
+        alive &= (source >= 0) & (target >= 0)
+        alive[alive] = context[row_of[alive], source[alive]] == context[row_of[alive], target[alive]]
         if not alive.any():
             break
         run += alive
-    best = run.max(axis=1)
-    longest = run == best[:, None]
-    end = width - 1 - np.argmax(longest[:, ::-1], axis=1) if most_recent else np.argmax(longest, axis=1)
+    best = np.zeros(len(rows), dtype=np.int64)
+    np.maximum.at(best, row_of, run)
+    longest = run == best[row_of]
+    end = np.full(len(rows), -1 if most_recent else width, dtype=np.int64)
+    (np.maximum if most_recent else np.minimum).at(end, row_of[longest], end_of[longest])
+    end = np.clip(end, 0, width - 1)  # rows without a candidate: zeroed below
     count = np.minimum(np.minimum(k, last - end), max_model_len - 1 - context_lengths)
     count = np.where(best >= MIN_MATCH, np.maximum(count, 0), 0)
     offsets = np.arange(k)
