@@ -21,7 +21,10 @@ wave's summed step time against the plain engine's: each group's extra time (its
 the steps that prefill a prompt as a fixed cost plus a cost per scheduled token: under a
 closed loop (`--requests-per-user`, turns as in `serve_frontier.py`) a new request's
 prefill shares its step with the others' decoding, and that step is its wait for the first
-token.
+token. And it splits each full-load group's mean step into the engine's own parts
+(`PARTS`: the scheduler's, the model runner's and the target's methods, timed on the live
+engine, the plugin's overrides included): the plugin's own work per step set beside a plain engine's
+and vLLM's n-gram engine's.
 
     python benchmarks/step_trace.py --prompts chat --concurrency 4 --repeats 10 \\
         --only no-spec "never drafting (fixed k=0)" dspark "dspark + n-gram"
@@ -45,6 +48,13 @@ import serve_frontier  # noqa: E402  (the sibling script: engines, waves, prompt
 
 GROUPS = ("plain", "verify", "draft", "other")
 TRACE_DIR_VARIABLE = "VLLM_DSPARK_STEP_TRACE"  # where an engine process writes its steps
+# The engine methods a step is split into: (owner, method) with the owner the engine core's
+# scheduler, the worker's model runner or the target model. The target's forward pass is
+# `_model_forward` and its LM head `compute_logits`; the runner's sampling step calls
+# `_sample` and `propose_draft_token_ids`.
+PARTS = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("scheduler", "update_draft_token_ids"),
+         ("runner", "_prepare_inputs"), ("runner", "_model_forward"), ("model", "compute_logits"),
+         ("runner", "_sample"), ("runner", "propose_draft_token_ids"), ("runner", "take_draft_token_ids"))
 
 
 def step_group(step: dict, requests: int) -> str:
@@ -68,13 +78,17 @@ def traced_serve_waves(conn, *args) -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     steps: list[dict] = []
+    parts: dict[str, float] = {}  # the running step's seconds per part
     step = LLMEngine.step
 
     def timed_step(engine):
+        core = engine.engine_core.engine_core  # in-process engine core
+        if not getattr(core, "parts_timed", False):
+            _time_parts(core, parts)
+        parts.clear()
         started = time.perf_counter()
         outputs = step(engine)
         seconds = time.perf_counter() - started
-        core = engine.engine_core.engine_core  # in-process engine core
         scheduled = getattr(core.scheduler, "last_traced_output", None)
         if scheduled is not None:
             controller = getattr(core.scheduler, "controller", None)
@@ -85,6 +99,7 @@ def traced_serve_waves(conn, *args) -> None:
                 "verified": sum(len(d) for d in scheduled.scheduled_spec_decode_tokens.values()),
                 # the drafter's forward pass ran in this step (depth > 0)
                 "drafted": bool(controller is not None and controller._drafted_in_step),
+                "parts": dict(parts),
             })
             core.scheduler.last_traced_output = None
         return outputs
@@ -110,6 +125,26 @@ def traced_serve_waves(conn, *args) -> None:
     serve_frontier.serve_waves(TracingConnection(), *args)
 
 
+def _time_parts(core, parts: dict[str, float]) -> None:
+    """Wrap the `PARTS` methods of this engine core's scheduler, model runner and target
+    model so that each adds its wall time to `parts` (once per engine)."""
+    runner = core.model_executor.driver_worker.worker.model_runner
+    owners = {"scheduler": core.scheduler, "runner": runner, "model": runner.model}
+    for owner_name, name in PARTS:
+        owner = owners[owner_name]
+        method = getattr(owner, name)
+
+        def timed(*args, _method=method, _name=name, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                parts[_name] = parts.get(_name, 0.0) + time.perf_counter() - started
+
+        setattr(owner, name, timed)
+    core.parts_timed = True
+
+
 def _keep_scheduler_outputs() -> None:
     """Every scheduler keeps its last output for the step timer (the plugin's scheduler
     calls this one and returns the same object)."""
@@ -133,6 +168,7 @@ def summarize(waves: list[dict], requests: int) -> dict:
     count = max(1, len(waves))
     prefill = [step for wave in waves for step in wave["steps"] if prefills(step)]
     return {
+        "parts": mean_parts(waves, requests),
         "waves": len(waves),
         "wave_seconds": statistics.median(w["wave_seconds"] for w in waves),
         "step_seconds_per_wave": statistics.median(sum(s["seconds"] for s in w["steps"]) for w in waves),
@@ -142,6 +178,21 @@ def summarize(waves: list[dict], requests: int) -> dict:
                    for group, times in grouped.items()},
         "prefill": fit_prefill(prefill, count),
     }
+
+
+def mean_parts(waves: list[dict], requests: int) -> dict[str, dict[str, float]]:
+    """Per full-load group: the mean seconds of each of the step's `PARTS` (0 where a step
+    did not call it) and of the rest of the step; traces without parts give none."""
+    grouped: dict[str, list[dict]] = {}
+    for wave in waves:
+        for step in wave["steps"]:
+            if "parts" in step and (group := step_group(step, requests)) != "other":
+                grouped.setdefault(group, []).append(step)
+    means = {}
+    for group, steps in grouped.items():
+        means[group] = {name: statistics.fmean(s["parts"].get(name, 0.0) for s in steps) for _, name in PARTS}
+        means[group]["rest"] = statistics.fmean(s["seconds"] - sum(s["parts"].values()) for s in steps)
+    return means
 
 
 def fit_prefill(steps: list[dict], waves: int) -> dict:
@@ -220,6 +271,13 @@ def write_report(summaries: dict[str, dict], meta: dict, out: Path) -> None:
                   (("median_s", 1000, 1), ("median_tokens", 1, 0), ("fixed_s", 1000, 1), ("per_token_s", 1000, 2),
                    ("verified", 1, 1))]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Mean ms of a full-load step's parts (`PARTS`: the engine core's scheduler, the worker's model "
+              "runner and the target model, timed on the live engine; `rest` is the step's time outside them):", "",
+              "| configuration | group | " + " | ".join(name for _, name in PARTS) + " | rest |",
+              "|---|---|" + "---|" * (len(PARTS) + 1)]
+    for name, row in summaries.items():
+        for group, means in ((g, row["parts"][g]) for g in GROUPS if g in row.get("parts", {})):
+            lines.append(f"| {name} | {group} | " + " | ".join(f"{1000 * means[part]:.2f}" for part in means) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -67,3 +67,25 @@ def test_prefill_steps_are_fitted_as_fixed_plus_per_token(tmp_path: Path):
     report = (tmp_path / "trace.md").read_text()
     assert "closed-loop turns (3 requests per user" in report and "32-96 tokens" in report
     assert "| dspark + n-gram | 3.0 | 0.70 | 232.0 | 212 | 20.0 | 1.00 | 8.0 |" in report
+
+
+def test_full_load_steps_split_into_the_engines_parts(tmp_path: Path):
+    """Two verifying steps of 50 ms whose timed parts sum to 45 and 41 ms, one plain step
+    without parts recorded, a prefill (not a full-load step): the verify group's mean per
+    part, a part a step did not call counted as 0, and the rest of the step."""
+    trace = load_script()
+    verifying = [step(0.05, verified=3) | {"parts": {"_model_forward": 0.040, "schedule": 0.005}},
+                 step(0.05, verified=3) | {"parts": {"_model_forward": 0.038, "schedule": 0.001, "_sample": 0.002}}]
+    wave = {"wave_seconds": 0.5, "steps": [step(0.3, prompt=100) | {"parts": {"_model_forward": 0.29}},
+                                           step(0.04) | {"parts": {}}] + verifying}
+    row = trace.summarize([wave], 4)
+    verify = row["parts"]["verify"]
+    assert verify["_model_forward"] == pytest.approx(0.039) and verify["schedule"] == pytest.approx(0.003)
+    assert verify["_sample"] == pytest.approx(0.001) and verify["take_draft_token_ids"] == 0.0
+    assert verify["rest"] == pytest.approx(0.007)
+    assert set(row["parts"]) == {"plain", "verify"} and row["parts"]["plain"]["rest"] == pytest.approx(0.04)
+    meta = {"prompts": "chat", "concurrency": 4, "repeats": 1, "max_tokens": 11, "date": "now", "hardware": "cpu"}
+    trace.write_report({"dspark": row}, meta, tmp_path / "trace")
+    table = (tmp_path / "trace.md").read_text()
+    assert "| dspark | verify | 3.00 | 0.00 | 0.00 | 0.00 | 39.00 | 0.00 | 1.00 | 0.00 | 0.00 | 7.00 |" in table
+
