@@ -23,8 +23,8 @@ closed loop (`--requests-per-user`, turns as in `serve_frontier.py`) a new reque
 prefill shares its step with the others' decoding, and that step is its wait for the first
 token. And it splits each full-load group's mean step into the engine's own parts
 (`PARTS`: the scheduler's, the model runner's and the target's methods, timed on the live
-engine, the plugin's overrides included): the plugin's own work per step set beside a plain engine's
-and vLLM's n-gram engine's.
+engine, the plugin's overrides included): the plugin's own work per step beside a plain
+engine's and vLLM's n-gram engine's.
 
     python benchmarks/step_trace.py --prompts chat --concurrency 4 --repeats 10 \\
         --only no-spec "never drafting (fixed k=0)" dspark "dspark + n-gram"
@@ -51,7 +51,8 @@ TRACE_DIR_VARIABLE = "VLLM_DSPARK_STEP_TRACE"  # where an engine process writes 
 # The engine methods a step is split into: (owner, method) with the owner the engine core's
 # scheduler, the worker's model runner or the target model. The target's forward pass is
 # `_model_forward` and its LM head `compute_logits`; the runner's sampling step calls
-# `_sample` and `propose_draft_token_ids`.
+# `_sample` and `propose_draft_token_ids`. None of them calls another, so a step's `rest` is
+# its time less their sum.
 PARTS = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("scheduler", "update_draft_token_ids"),
          ("runner", "_prepare_inputs"), ("runner", "_model_forward"), ("model", "compute_logits"),
          ("runner", "_sample"), ("runner", "propose_draft_token_ids"), ("runner", "take_draft_token_ids"))
