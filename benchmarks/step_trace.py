@@ -161,38 +161,39 @@ def _keep_scheduler_outputs() -> None:
 
 
 def summarize(waves: list[dict], requests: int) -> dict:
-    """Per group: steps per wave, median and mean step; and the summed step time per wave."""
-    grouped: dict[str, list[float]] = {group: [] for group in GROUPS}
+    """Per group: steps per wave, median and mean step; the summed step time per wave; and
+    the full-load groups' mean parts (`mean_parts`)."""
+    grouped: dict[str, list[dict]] = {group: [] for group in GROUPS}
     for wave in waves:
         for step in wave["steps"]:
-            grouped[step_group(step, requests)].append(step["seconds"])
+            grouped[step_group(step, requests)].append(step)
     count = max(1, len(waves))
     prefill = [step for wave in waves for step in wave["steps"] if prefills(step)]
+    times = {group: [step["seconds"] for step in steps] for group, steps in grouped.items()}
     return {
-        "parts": mean_parts(waves, requests),
+        "parts": mean_parts(grouped),
         "waves": len(waves),
         "wave_seconds": statistics.median(w["wave_seconds"] for w in waves),
         "step_seconds_per_wave": statistics.median(sum(s["seconds"] for s in w["steps"]) for w in waves),
-        "groups": {group: {"steps_per_wave": len(times) / count,
-                           "median_s": statistics.median(times) if times else None,
-                           "mean_s": statistics.fmean(times) if times else None}
-                   for group, times in grouped.items()},
+        "groups": {group: {"steps_per_wave": len(seconds) / count,
+                           "median_s": statistics.median(seconds) if seconds else None,
+                           "mean_s": statistics.fmean(seconds) if seconds else None}
+                   for group, seconds in times.items()},
         "prefill": fit_prefill(prefill, count),
     }
 
 
-def mean_parts(waves: list[dict], requests: int) -> dict[str, dict[str, float]]:
-    """Per full-load group: the mean seconds of each of the step's `PARTS` (0 where a step
-    did not call it) and of the rest of the step; traces without parts give none."""
-    grouped: dict[str, list[dict]] = {}
-    for wave in waves:
-        for step in wave["steps"]:
-            if "parts" in step and (group := step_group(step, requests)) != "other":
-                grouped.setdefault(group, []).append(step)
+def mean_parts(grouped: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Per full-load group of `grouped` steps: the mean seconds of each of the step's
+    `PARTS` (0 where a step did not call it) and of the rest of the step, over the steps
+    that recorded parts (traces without them give none)."""
     means = {}
     for group, steps in grouped.items():
-        means[group] = {name: statistics.fmean(s["parts"].get(name, 0.0) for s in steps) for _, name in PARTS}
-        means[group]["rest"] = statistics.fmean(s["seconds"] - sum(s["parts"].values()) for s in steps)
+        timed = [step for step in steps if "parts" in step]
+        if group == "other" or not timed:
+            continue
+        means[group] = {name: statistics.fmean(s["parts"].get(name, 0.0) for s in timed) for _, name in PARTS}
+        means[group]["rest"] = statistics.fmean(s["seconds"] - sum(s["parts"].values()) for s in timed)
     return means
 
 
