@@ -262,7 +262,7 @@ class VerificationController:
         self._policy_model = (1.0, 0.0)  # (scale, offset + drafting) policy_curve was built with
         # Profiled steps at which a model change is judged big enough to rebuild policy_curve.
         self._anchor_steps = (
-            None if curve is None else np.array([curve.min_step_time, curve.step_time(curve.points[-1][0])])
+            None if curve is None else (curve.min_step_time, float(curve.step_time(curve.points[-1][0])))
         )
         self.recalibrators = (
             {mode: OnlineRecalibrator(learning_rate=options.recalibration_rate) for mode in SAMPLING_MODES}
@@ -273,6 +273,8 @@ class VerificationController:
         # The drafter's recent calibrated c_1 on drafted steps by the request's continuation
         # key (hybrid: the skip rule's prior).
         self._first_confidences = [deque(maxlen=RECENT_FIRST_CONFIDENCES) for _ in range(hybrid.CONTINUATION_KEYS)]
+        # Their quantiles per key, kept until new values arrive (None: to be taken again).
+        self._first_quantiles: np.ndarray | None = None
         self.stats = DSparkStats(policy=self.policy.name)
         # (start time, tokens in the pass, its record for the realized-speed check) of the
         # decode step in flight; None: not timed
@@ -340,8 +342,10 @@ class VerificationController:
         assert self.curve is not None and self._anchor_steps is not None
         scale, offset = self._model
         model = (scale, offset + self.drafting_seconds)
-        new, old = (m[0] * self._anchor_steps + m[1] for m in (model, self._policy_model))
-        if np.any(np.abs(new - old) > 0.02 * old):
+        # The two models' steps at the anchors, in Python floats (this runs every timed step).
+        new = [model[0] * step + model[1] for step in self._anchor_steps]
+        old = [self._policy_model[0] * step + self._policy_model[1] for step in self._anchor_steps]
+        if any(abs(n - o) > 0.02 * o for n, o in zip(new, old)):
             self.policy_curve = self.curve.with_step_model(*model)
             self._policy_model = model
 
@@ -536,10 +540,12 @@ class VerificationController:
         if (self.ngram is None or not depth or not num_requests or not self.options.ngram_skips_drafter
                 or self.mean_survival is None or self.curve is None or not any(self._first_confidences)):
             return None
-        # A key not seen yet takes every key's values.
-        pooled = [c for recent in self._first_confidences for c in recent] if not all(self._first_confidences) else []
-        first = np.stack([linear_quantiles(recent or pooled, FIRST_CONFIDENCE_LEVELS)
-                          for recent in self._first_confidences])
+        if self._first_quantiles is None:  # new c_1 values since the last plan (drafted steps only)
+            # A key not seen yet takes every key's values.
+            pooled = [c for recent in self._first_confidences for c in recent] if not all(self._first_confidences) else []
+            self._first_quantiles = np.stack([linear_quantiles(recent or pooled, FIRST_CONFIDENCE_LEVELS)
+                                              for recent in self._first_confidences])
+        first = self._first_quantiles
         expected = hybrid.drafter_expected(first.ravel(), depth, self.mean_survival).reshape(first.shape)
         drafting = self.drafting_cost.predict(num_requests, np.array([0, depth]))
         return hybrid.DrafterSkip(
@@ -620,6 +626,7 @@ class VerificationController:
             keys = hybrid.continuation_keys(proposals)
             for key in np.unique(keys[with_drafter]):
                 self._first_confidences[key].extend(first[with_drafter & (keys == key)].tolist())
+                self._first_quantiles = None
         conditional = self.ngram.conditional(proposals.matches, proposals.lengths, greedy)
         preferred = ~with_drafter | hybrid.prefer_ngram(conditional, first, drafted_depth, self.mean_survival)
         return (proposals.lengths > 0) & preferred

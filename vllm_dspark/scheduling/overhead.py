@@ -36,8 +36,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from vllm_dspark.scheduling.sps import SpsCurve
 
 # A learned model may shorten the profile's fastest step to this fraction, no further.
@@ -68,8 +66,10 @@ class StepTimeModel:
     typical_step_s: float = 0.0
     samples: int = 0
     skipped_in_a_row: int = 0
-    # Exponentially weighted sums over steps of [x^2, x, 1, x y, y] (x profiled, y measured).
-    _sums: np.ndarray = field(default_factory=lambda: np.zeros(5), repr=False)
+    # Exponentially weighted sums over steps of (x^2, x, 1, x y, y) (x profiled, y measured):
+    # Python floats, as the fit runs every step and NumPy's call overhead on five numbers
+    # would cost more than the arithmetic.
+    _sums: tuple[float, ...] = field(default=(0.0,) * 5, repr=False)
     _fit: tuple[float, float] = (1.0, 0.0)
 
     def __post_init__(self) -> None:
@@ -105,7 +105,7 @@ class StepTimeModel:
         # The end of a run of skips is a new regime: what came before is forgotten.
         keep = 0.0 if stall else 1.0 - self.smoothing
         x, y = profiled_s, measured_s
-        self._sums = keep * self._sums + np.array([x * x, x, 1.0, x * y, y])
+        self._sums = tuple(keep * total + term for total, term in zip(self._sums, (x * x, x, 1.0, x * y, y)))
         self.typical_step_s = y if self.samples == 0 or stall else self.typical_step_s + self.smoothing * (y - self.typical_step_s)
         self.samples += 1
         self._fit = self._solve()
@@ -116,12 +116,16 @@ class StepTimeModel:
         + o^2 sum w), the prior scaled like the data so that its pull stays relative."""
         xx, x, n, xy, y = self._sums
         prior = 1.0 + self.ridge
-        matrix = np.array([[xx * prior, x], [x, n * prior]])
-        free_scale, offset = np.linalg.solve(matrix, np.array([xy + self.ridge * xx, y]))
-        scale = float(np.clip(free_scale, 1.0 / MAX_SCALE, MAX_SCALE))
+        # The 2 x 2 normal equations [[xx p, x], [x, n p]] (scale, offset) = (xy + ridge xx, y),
+        # by Cramer's rule (the ridge keeps the determinant positive).
+        target = xy + self.ridge * xx
+        determinant = xx * prior * n * prior - x * x
+        free_scale = (target * n * prior - x * y) / determinant
+        offset = (xx * prior * y - x * target) / determinant
+        scale = min(max(free_scale, 1.0 / MAX_SCALE), MAX_SCALE)
         if scale != free_scale:
             offset = (y - scale * x) / (n * prior)  # the best offset for the clamped scale
-        return scale, float(offset)
+        return scale, offset
 
 
 def applied_model(curve: SpsCurve, scale: float, offset: float) -> tuple[float, float]:
