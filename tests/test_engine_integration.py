@@ -366,8 +366,7 @@ def test_hybrid_proposals_keep_greedy_outputs_and_are_counted_by_source(tiny_tar
         # Any continuation beats the drafter's 0.5 expected drafts, which pay for its pass
         # (0.1 ms on a 10 ms step) only where some request has none.
         controller._drafter_skip = lambda num_requests, depth: hybrid.DrafterSkip(
-            np.ones((2, hybrid.MATCH_BUCKETS, 7)), depth, np.full((hybrid.CONTINUATION_KEYS, 1), 0.5), np.ones(1),
-            np.full(1024, 0.01), 1e-4)
+            np.ones((2, hybrid.MATCH_BUCKETS, 7)), depth, np.full((hybrid.CONTINUATION_KEYS, 1), 0.5), np.full(1, 0.01), 1e-4)
     assert generate_ids(llm, REPEATING, MAX_TOKENS) == plain
     stats = controller.stats
     counters = spec_counters(llm)
@@ -460,8 +459,7 @@ def test_continuations_found_before_drafting_equal_those_after_bookkeeping(tiny_
     from vllm_dspark.scheduling import hybrid
 
     engine_scheduler(llm).controller._drafter_skip = lambda num_requests, depth: hybrid.DrafterSkip(
-        np.ones((2, hybrid.MATCH_BUCKETS, 7)), depth, np.full((hybrid.CONTINUATION_KEYS, 1), 1e9), np.ones(1),
-        np.full(1024, 0.01), 0.0)
+        np.ones((2, hybrid.MATCH_BUCKETS, 7)), depth, np.full((hybrid.CONTINUATION_KEYS, 1), 1e9), np.full(1, 0.01), 0.0)
     generate_ids(llm, REPEATING, MAX_TOKENS)
     assert len(found) > 5 and len(found) == len(handed)
     for ours, theirs in zip(found, handed):

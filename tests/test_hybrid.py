@@ -205,8 +205,7 @@ def skip_rule(drafter_expected, drafting_seconds: float, pass_seconds=None) -> h
     pass_seconds = np.full(9, 0.04) if pass_seconds is None else pass_seconds
     expected = np.asarray(drafter_expected, dtype=np.float64)
     expected = np.tile(expected, (hybrid.CONTINUATION_KEYS, 1)) if expected.ndim == 1 else expected
-    # A flat shape: the block's expectation spread evenly over its 4 positions.
-    return hybrid.DrafterSkip(table, 4, expected / 4, np.ones(4), pass_seconds, drafting_seconds)
+    return hybrid.DrafterSkip(table, 4, expected, pass_seconds, drafting_seconds)
 
 
 GREEDY = np.array([True, True])
@@ -229,28 +228,6 @@ def test_drafter_skip_weighs_the_drafters_tokens_against_its_seconds() -> None:
     assert not skip_rule([1.0], drafting_seconds=0.001).applies(LONG_BOTH, np.array([True, False])), \
         "sampled rows have their own (unlearned, zero) table"
     assert not skip_rule([], drafting_seconds=0.0).applies(LONG_BOTH, GREEDY), "no c_1 seen yet"
-
-
-def test_drafter_skip_prices_the_passes_as_the_policy_prunes_them() -> None:
-    """Two requests with short matches (conditional acceptance 0.6, then 0.3 on) and a
-    drafter expecting a little more (0.5 then 0.4); each draft verified adds a tenth of the
-    pass. The policy would verify the two first continuation tokens, not all eight: priced
-    so, the continuations alone serve 66.7 tokens a second against 65.5 with the drafter,
-    and the drafter is left out. Priced whole (eight drafts, the rule before) the
-    continuations seemed to serve 51 and the drafter stayed. A confident drafter still wins."""
-    table = np.zeros((2, hybrid.MATCH_BUCKETS, 4))
-    table[0, hybrid.match_buckets(2)] = [0.6, 0.3, 0.3, 0.3]
-    short = hybrid.NgramProposals(np.ones((2, 4), dtype=np.int64), np.array([4, 4]), np.array([2, 2]))
-    pass_seconds = 0.040 + 0.004 * np.arange(15)
-
-    def rule(first: float, shape: list[float]) -> hybrid.DrafterSkip:
-        return hybrid.DrafterSkip(table, 2, np.full((hybrid.CONTINUATION_KEYS, 1), first), np.array(shape),
-                                  pass_seconds, 0.002)
-
-    assert rule(0.5, [1.0, 0.8]).applies(short, GREEDY)
-    assert not rule(0.9, [1.0, 0.9]).applies(short, GREEDY)
-    tokens, seconds = hybrid.best_rate(np.array([[0.6, 0.6, 0.18, 0.18, 0.054, 0.054, 0.016, 0.016]]), 2, pass_seconds)
-    assert np.allclose([tokens[0], seconds[0]], [3.2, 0.048]), "the policy's count: two drafts"
 
 
 def test_drafter_skip_counts_the_confident_steps_of_the_drafter() -> None:
@@ -290,13 +267,14 @@ def test_the_plan_carries_the_skip_only_where_it_can_apply() -> None:
     assert plan.depth > 0 and plan.drafter_skip is not None and plan.drafter_skip.depth == plan.depth
     first = ctrl._recalibrated(np.array([[0.3]]), np.array([True]))[0, 0]
     # Seen beside a match of 6 only: every key takes it until its own values come.
-    assert np.allclose(plan.drafter_skip.drafter_first, first)
-    assert np.allclose(plan.drafter_skip.drafter_shape, hybrid.survival_shape(plan.depth, ctrl.mean_survival))
+    assert np.allclose(plan.drafter_skip.drafter_expected,
+                       hybrid.drafter_expected(np.array([first]), plan.depth, ctrl.mean_survival))
     none = hybrid.NgramProposals(np.zeros((1, 4), dtype=np.int64), np.array([0]), np.array([0]))
     ctrl.prefer_ngram(np.array([0.9]), np.array([True]), none, 4)
-    seen = ctrl.plan_drafting(1).drafter_skip.drafter_first
-    assert seen[0].min() > seen[1 + hybrid.match_buckets(6)].max(), "each key its own values"
-    assert np.allclose(seen[1 + hybrid.match_buckets(6)], first)
+    expected = ctrl.plan_drafting(1).drafter_skip.drafter_expected
+    assert expected[0].min() > expected[1 + hybrid.match_buckets(6)].max(), "each key its own values"
+    assert np.allclose(expected[1 + hybrid.match_buckets(6)],
+                       hybrid.drafter_expected(np.array([first]), plan.depth, ctrl.mean_survival))
     assert plan.drafter_skip.applies(proposals, np.array([True])), "a 4-of-4 continuation against a weak drafter"
     assert with_drafter_and_ngram_learned(controller(ngram_skips_drafter=False)).plan_drafting(1).drafter_skip is None
     assert PluginOptions().ngram_skips_drafter, "on by default"

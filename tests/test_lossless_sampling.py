@@ -160,8 +160,7 @@ def test_hybrid_ngram_proposals_keep_target_distribution(peaked_target: Path, tm
     controller.prefer_ngram = lambda first, greedy, proposals, depth, with_drafter=None: (proposals.lengths > 0) & (np.arange(len(first)) % 2 == 0)
     if drafter_left_out:
         controller._drafter_skip = lambda num_requests, depth: hybrid.DrafterSkip(
-            np.ones((2, hybrid.MATCH_BUCKETS, 4)), depth, np.zeros((hybrid.CONTINUATION_KEYS, 1)), np.ones(1),
-            np.full(1, 0.01), 0.0)
+            np.ones((2, hybrid.MATCH_BUCKETS, 4)), depth, np.zeros((hybrid.CONTINUATION_KEYS, 1)), np.full(1, 0.01), 0.0)
         monkeypatch.setattr(hybrid.DrafterSkip, "applies", lambda self, proposals, greedy: bool(proposals.lengths[0] > 0))
     samples = [(o[0], o[1]) for o in _sample_many(llm, [REPEATING_PROMPT] * SAMPLES)]
     stats = controller.stats

@@ -535,7 +535,7 @@ class VerificationController:
     def _drafter_skip(self, num_requests: int, depth: int) -> hybrid.DrafterSkip | None:
         """What the worker needs to leave the drafter out where the step is predicted to
         serve faster with n-gram continuations alone, from earlier steps only: the learned
-        n-gram acceptance, the drafter's recent c_1 values and survival shape at this depth,
+        n-gram acceptance, the drafter's expectation at this depth over recent c_1 values,
         the pass time by drafts verified and the drafting time (hybrid.DrafterSkip)."""
         if (self.ngram is None or not depth or not num_requests or not self.options.ngram_skips_drafter
                 or self.mean_survival is None or self.curve is None or not any(self._first_confidences)):
@@ -546,9 +546,10 @@ class VerificationController:
             self._first_quantiles = np.stack([linear_quantiles(recent or pooled, FIRST_CONFIDENCE_LEVELS)
                                               for recent in self._first_confidences])
         first = self._first_quantiles
+        expected = hybrid.drafter_expected(first.ravel(), depth, self.mean_survival).reshape(first.shape)
         drafting = self.drafting_cost.predict(num_requests, np.array([0, depth]))
         return hybrid.DrafterSkip(
-            self.ngram.table(), depth, first, hybrid.survival_shape(depth, self.mean_survival),
+            self.ngram.table(), depth, expected,
             self._pass_seconds(num_requests + np.arange(num_requests * self.block + 1)),
             float(drafting[1] - drafting[0]),
         )

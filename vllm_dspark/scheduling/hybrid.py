@@ -188,30 +188,10 @@ def prefer_ngram(
 def drafter_expected(first_confidence: np.ndarray, drafted_depth: int, mean_survival: np.ndarray | None) -> np.ndarray:
     """[R] expected accepted drafts of the drafter's block: its first confidence times the
     shape of its recent mean prefix survival over the depth (positions 2.. relative to 1)."""
-    return np.asarray(first_confidence) * survival_shape(drafted_depth, mean_survival).sum()
-
-
-def survival_shape(drafted_depth: int, mean_survival: np.ndarray | None) -> np.ndarray:
-    """[depth] the drafter's recent mean prefix survival relative to its first position
-    (capped at 1): a block's prefix survival is its c_1 times this. Only the first position
-    where nothing has been measured yet."""
-    if mean_survival is None or mean_survival[0] <= 0.0:
-        return np.ones(1)
-    return np.minimum(mean_survival[:drafted_depth] / mean_survival[0], 1.0)
-
-
-def best_rate(survival: np.ndarray, requests: int, pass_seconds: np.ndarray, extra_seconds: float = 0.0
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, seconds) per step of each row of `survival` [S, slots] verified as the
-    throughput policy verifies: its slots ranked by prefix survival, the count that serves
-    the most tokens a second (`requests` of its own, each slot its survival; the pass's
-    seconds by drafts verified, plus `extra_seconds`)."""
-    ranked = -np.sort(-survival, axis=1)
-    count = min(ranked.shape[1], len(pass_seconds) - 1)
-    tokens = requests + np.concatenate([np.zeros((len(ranked), 1)), np.cumsum(ranked[:, :count], axis=1)], axis=1)
-    seconds = np.maximum(pass_seconds[: count + 1], 1e-9) + extra_seconds
-    best = np.argmax(tokens / seconds, axis=1)
-    return tokens[np.arange(len(ranked)), best], seconds[best]
+    shape = np.ones(1)
+    if mean_survival is not None and mean_survival[0] > 0.0:
+        shape = np.minimum(mean_survival[:drafted_depth] / mean_survival[0], 1.0)
+    return np.asarray(first_confidence) * shape.sum()
 
 
 @dataclass(frozen=True)
@@ -222,16 +202,10 @@ class DrafterSkip:
     with it, only stores the drafter's context.
 
     The prediction weighs, as the depth choice does (controller.py), tokens against
-    seconds. Without the drafter each request proposes its continuation (prefix survival
-    from the learned acceptance). With it, each request proposes the one of that and the
-    drafter's block that expects more (its choice, `prefer_ngram`; the block's survival is
-    c_1 times the drafter's recent shape), and the step also pays the drafter's pass.
-    Either way the pass verifies what the policy would (`best_rate`: slots ranked by
-    survival, the count that serves the most tokens a second), not every proposed draft:
-    priced whole, a continuation's deep positions, which the policy prunes, made the pass
-    without the drafter look dearer than it runs and kept the drafter on steps it did not
-    pay for (chat, 4 requests: it drafted on 67% of the steps for 0.43 accepted drafts a
-    step, 2.1 ms of drafting; closed_loop/README.md). This step's c_1 is not drawn yet, so the drafter's
+    seconds. Without the drafter each request expects 1 + its continuation's learned
+    acceptance and the pass verifies every continuation. With it, each request takes the
+    larger of that and the drafter's expectation (its choice, `prefer_ngram`), and the
+    step also pays the drafter's pass. This step's c_1 is not drawn yet, so the drafter's
     expectation is averaged over recent c_1 values: the choice is a maximum, and the mean
     c_1 alone would undervalue a drafter that is sometimes confident. Those values are
     kept apart by the request's situation (`continuation_keys`): where the context repeats
@@ -248,25 +222,25 @@ class DrafterSkip:
 
     table: np.ndarray  # [mode, match bucket, position] learned n-gram acceptance
     depth: int  # the planned draft depth
-    drafter_first: np.ndarray  # [CONTINUATION_KEYS, S] recent calibrated c_1 of the drafter, per situation
-    drafter_shape: np.ndarray  # [depth] its prefix survival relative to c_1 (`survival_shape`)
+    drafter_expected: np.ndarray  # [CONTINUATION_KEYS, S] the block's expected accepted drafts, per recent c_1
     pass_seconds: np.ndarray  # [n] predicted seconds of the pass with n drafts beside the requests' own tokens
     drafting_seconds: float  # predicted drafting at the planned depth less storing the context alone
 
     def applies(self, proposals: NgramProposals, greedy: np.ndarray) -> bool:
         """True where the step is predicted to serve more tokens a second without the drafter."""
         requests = len(proposals.lengths)
-        if not requests or not self.drafter_first.shape[1]:
+        if not requests or not self.drafter_expected.shape[1]:
             return False
         conditional = conditional_from_table(self.table, proposals.matches, proposals.lengths, greedy)
-        ngram = np.cumprod(conditional, axis=1)  # [R, W] prefix survival; 0 beyond a continuation
-        width = max(ngram.shape[1], len(self.drafter_shape))
-        ngram = np.pad(ngram, ((0, 0), (0, width - ngram.shape[1])))
-        first = self.drafter_first[continuation_keys(proposals)].T  # [S, R]
-        block = first[:, :, None] * np.pad(self.drafter_shape, (0, width - len(self.drafter_shape)))  # [S, R, W]
-        takes_drafter = block.sum(axis=2) > ngram.sum(axis=1)[None, :]  # the choice, prefer_ngram
-        chosen = np.where(takes_drafter[:, :, None], block, ngram[None])
-        without_tokens, without_seconds = best_rate(ngram.reshape(1, -1), requests, self.pass_seconds)
-        with_tokens, with_seconds = best_rate(chosen.reshape(len(first), -1), requests, self.pass_seconds,
-                                              self.drafting_seconds)
-        return bool(without_tokens[0] / without_seconds[0] >= with_tokens.mean() / with_seconds.mean())
+        ngram = expected_accepted(conditional)  # [R]; 0 without a continuation
+        drafter = self.drafter_expected[continuation_keys(proposals)].T  # [S, R]
+        takes_drafter = drafter > ngram[None, :]
+        with_tokens = requests + np.where(takes_drafter, drafter, ngram).sum(axis=1)
+        with_drafts = np.where(takes_drafter, self.depth, proposals.lengths).sum(axis=1)
+        with_seconds = self.seconds(with_drafts) + self.drafting_seconds
+        without_seconds = self.seconds(np.array([proposals.lengths.sum()]))[0]
+        return bool((requests + ngram.sum()) / without_seconds >= with_tokens.mean() / with_seconds.mean())
+
+    def seconds(self, drafts: np.ndarray) -> np.ndarray:
+        """Predicted seconds of the verification pass with `drafts` drafts in it."""
+        return np.maximum(self.pass_seconds[np.minimum(drafts, len(self.pass_seconds) - 1)], 1e-9)
