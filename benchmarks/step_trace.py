@@ -277,9 +277,10 @@ def write_report(summaries: dict[str, dict], meta: dict, out: Path) -> None:
               "runner and the target model, timed on the live engine; `rest` is the step's time outside them):", "",
               "| configuration | group | " + " | ".join(name for _, name in PARTS) + " | rest |",
               "|---|---|" + "---|" * (len(PARTS) + 1)]
+    columns = [part for _, part in PARTS] + ["rest"]
     for name, row in summaries.items():
-        for group, means in ((g, row["parts"][g]) for g in GROUPS if g in row.get("parts", {})):
-            lines.append(f"| {name} | {group} | " + " | ".join(f"{1000 * means[part]:.2f}" for part in means) + " |")
+        for group, means in row.get("parts", {}).items():
+            lines.append(f"| {name} | {group} | " + " | ".join(f"{1000 * means[part]:.2f}" for part in columns) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -626,7 +626,7 @@ class VerificationController:
             keys = hybrid.continuation_keys(proposals)
             for key in np.unique(keys[with_drafter]):
                 self._first_confidences[key].extend(first[with_drafter & (keys == key)].tolist())
-                self._first_quantiles = None
+            self._first_quantiles = None
         conditional = self.ngram.conditional(proposals.matches, proposals.lengths, greedy)
         preferred = ~with_drafter | hybrid.prefer_ngram(conditional, first, drafted_depth, self.mean_survival)
         return (proposals.lengths > 0) & preferred
