@@ -466,52 +466,6 @@ def test_plain_steps_queue_their_context_straight_from_the_runner(drafters, tiny
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def test_rejected_drafts_leave_the_context_pass_and_change_no_draft(drafters, tiny_target, baseline) -> None:
-    """On a CPU the context pass skips the rows of drafts the target rejected (no draft
-    ever reads them). The tiny drafter's drafts are mostly rejected; with two of every
-    three proposals drafting nothing (so rejected rows reach the deferred queue as well as
-    a drafting pass), every draft and confidence equals those of the engine that writes
-    every row, and outputs stay exact."""
-    from vllm_dspark.integration import compat
-
-    full, _, _ = drafters
-    spec = {"method": "vllm_dspark", "model": str(full), "num_speculative_tokens": K}
-
-    def run(drop_rejected: bool, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-        llm = make_llm(tiny_target, spec, {"vllm_dspark": {"policy": "fixed"}})
-        proposer = engine_runner(llm).drafter
-        propose, accepted_rows = proposer.propose, compat.accepted_context_rows
-        drafts, confidences, dropped = [], [], [0]
-
-        def every_third(num_speculative_tokens, *args, **kwargs):
-            drafted = propose(num_speculative_tokens if len(drafts) % 3 == 2 else 0, *args, **kwargs)
-            drafts.append(drafted.clone())
-            if drafted.numel():
-                confidences.append(proposer._confidences.clone())
-            return drafted
-
-        def counted(query_start_loc, num_rejected, num_rows):
-            accepted = accepted_rows(query_start_loc, num_rejected, num_rows) if drop_rejected else None
-            dropped[0] += 0 if accepted is None else int((~accepted).sum())
-            return accepted
-
-        proposer.propose = every_third
-        monkeypatch.setattr(compat, "accepted_context_rows", counted)
-        assert generate_ids(llm, PROMPTS, MAX_TOKENS) == baseline
-        monkeypatch.undo()
-        return drafts, confidences, dropped[0]
-
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        lean_drafts, lean_confidences, dropped = run(True, monkeypatch)
-        drafts, confidences, none_dropped = run(False, monkeypatch)
-    assert dropped > 0 and none_dropped == 0
-    assert sum(d.numel() for d in lean_drafts) > 0 and len(lean_drafts) == len(drafts)
-    assert all(torch.equal(a, b) for a, b in zip(lean_drafts, drafts))
-    assert len(lean_confidences) == len(confidences) > 0
-    for a, b in zip(lean_confidences, confidences):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-
-
 def test_deferred_writes_land_as_writes_in_order() -> None:
     generator = torch.Generator().manual_seed(0)
     queue, in_order = DeferredContext(max_tokens=35), torch.zeros(16)

@@ -107,7 +107,6 @@ def dflash_proposer_base() -> type:
     `sample_block(hidden_states, sampling_metadata) -> (tokens, probs)` (vLLM's
     `_sample_draft_tokens`), and construction for a method name vLLM does not know (the
     parent asserts method == "dflash")."""
-    import torch
     from vllm.v1.spec_decode.dflash import DFlashProposer
 
     class ParallelDrafterProposer(DFlashProposer):
@@ -119,42 +118,12 @@ def dflash_proposer_base() -> type:
                 super().__init__(vllm_config, device, runner)
             finally:
                 spec_config.method = method
-            # [rows of the last pass] true where its row went to the context pass (None: all).
-            self.context_rows_accepted: torch.Tensor | None = None
 
         def _sample_draft_tokens(self, hidden_states: Any, sampling_metadata: Any) -> Any:
             return self.sample_block(hidden_states, sampling_metadata)
 
         def sample_block(self, hidden_states: Any, sampling_metadata: Any) -> Any:
             return DFlashProposer._sample_draft_tokens(self, hidden_states, sampling_metadata)
-
-        def set_inputs_first_pass(
-            self,
-            target_token_ids: Any,
-            next_token_ids: Any,
-            target_positions: Any,
-            target_hidden_states: Any,
-            token_indices_to_sample: Any,
-            cad: Any,
-            num_rejected_tokens_gpu: Any,
-        ) -> Any:
-            """vLLM's preparation, then, on a CPU, the context rows of drafts the target
-            rejected dropped from the context pass (`accepted_context_rows`)."""
-            prepared = super().set_inputs_first_pass(
-                target_token_ids, next_token_ids, target_positions, target_hidden_states, token_indices_to_sample,
-                cad, num_rejected_tokens_gpu,
-            )
-            self.context_rows_accepted = None
-            if num_rejected_tokens_gpu is not None and self.device.type == "cpu":
-                accepted = accepted_context_rows(cad.query_start_loc, num_rejected_tokens_gpu, self._dflash_num_context)
-                if accepted is not None:
-                    index = torch.nonzero(accepted, as_tuple=True)[0]
-                    kept = len(index)
-                    self._dflash_hidden_states = self._dflash_hidden_states[index]
-                    self._context_positions_buffer[:kept] = self._context_positions_buffer[index]
-                    self._context_slot_mapping_buffer[:kept] = self._context_slot_mapping_buffer[index]
-                    self._dflash_num_context, self.context_rows_accepted = kept, accepted
-            return prepared
 
         def step_context(
             self,
@@ -184,7 +153,7 @@ def dflash_proposer_base() -> type:
             num_context = self._dflash_num_context
             # Views of reused buffers: valid until the next proposal (a queue copies them).
             return ContextRows(
-                self._dflash_hidden_states[:num_context],
+                target_hidden_states[:num_context],
                 self._context_positions_buffer[:num_context],
                 self._context_slot_mapping_buffer[:num_context],
             )
@@ -196,31 +165,6 @@ def dflash_proposer_base() -> type:
             )
 
     return ParallelDrafterProposer
-
-
-def accepted_context_rows(query_start_loc: Any, num_rejected: Any, num_rows: int) -> Any:
-    """[num_rows] bool tensor, true for the rows of a verifying pass whose tokens the
-    target accepted (None where it accepted every row, or the layout is not one row per
-    scheduled token): vLLM's padded drafter batch lays each request's rows out together,
-    its rejected drafts last (`num_rejected` [requests]).
-
-    Their context K/V is never read: a draft attends to the context before its first
-    query position, which is the first rejected one, and the query block's own K/V
-    overwrite those slots; a later pass that verifies a token at such a position writes
-    its row again before any draft reads it. So the rows are dropped from the context pass,
-    which on a CPU costs per row (at 16 requests on code about a fifth of a step's rows
-    are rejected drafts). On a GPU the pass is cheap and counting the rows would wait for
-    the device, so the caller keeps them there."""
-    import torch
-
-    rejected = num_rejected.to(query_start_loc.device)
-    if not bool(rejected.any()):
-        return None
-    counts = query_start_loc[1:] - query_start_loc[:-1]
-    if int(counts.sum()) != num_rows:
-        return None
-    ends = torch.repeat_interleave(query_start_loc[1:] - rejected, counts)
-    return torch.arange(num_rows, device=query_start_loc.device) < ends
 
 
 def tokens_with_drafter(runner: Any, scheduler_output: Any, without_drafter: frozenset[str]) -> Any:

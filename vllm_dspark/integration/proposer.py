@@ -89,10 +89,7 @@ class DSparkProposer(dflash_proposer_base()):
         deferred), timed and reported as a proposal of depth 0."""
         self._timer.start()
         self._report = DraftReport(depth=0, skipped_for_ngram=skipped_for_ngram)
-        self.context_rows_accepted = None  # a context from vLLM's preparation sets it
         rows, kept = context(), self.context_kept
-        if kept is not None and self.context_rows_accepted is not None and len(kept) == len(self.context_rows_accepted):
-            kept = kept[self.context_rows_accepted]
         if kept is not None and len(kept) == len(rows):
             rows = rows.select(kept)
         if len(rows):
