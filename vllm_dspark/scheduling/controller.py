@@ -622,7 +622,7 @@ class VerificationController:
         with_drafter = np.ones(len(greedy), dtype=bool) if with_drafter is None else np.asarray(with_drafter)
         raw = self._valid_confidences(np.asarray(first_confidence)[:, None], count=False)  # decide() counts them
         first = self._recalibrated(raw, greedy)[:, 0]
-        if drafted_depth:
+        if drafted_depth and with_drafter.any():  # new c_1 values: the skip's quantiles are stale
             keys = hybrid.continuation_keys(proposals)
             for key in np.unique(keys[with_drafter]):
                 self._first_confidences[key].extend(first[with_drafter & (keys == key)].tolist())
