@@ -145,8 +145,6 @@ def configurations(drafter: str, k: int, curve: dict = AUTO_CURVE, reduced: str 
                                                           ngram_skips_drafter=False),
         "dspark + n-gram, drafter admission": dspark(policy="dspark", **curve, hybrid_ngram=True,
                                                      drafter_admission=True),
-        "dspark + n-gram, drafter left out of whole steps only": dspark(policy="dspark", **curve, hybrid_ngram=True,
-                                                                        ngram_skips_drafter_per_request=False),
         "dspark + n-gram, context projection in float32": dspark(policy="dspark", **curve, hybrid_ngram=True,
                                                                  context_projection="float32"),
         "dspark, drafting all K, context projection in float32": dspark(policy="dspark", **curve, adaptive_drafting=False,

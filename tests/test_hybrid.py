@@ -196,24 +196,16 @@ def learned_table(ctrl: VerificationController, match: int, accepted_of_4: int, 
         ctrl.ngram.observe(np.array([match]), np.array([True]), np.array([4]), np.array([accepted_of_4]))
 
 
-def skip_rule(drafter_expected, drafting_seconds: float, pass_seconds=None, per_request: bool = False,
-              each_request: float = 0.0) -> hybrid.DrafterSkip:
+def skip_rule(drafter_expected, drafting_seconds: float, pass_seconds=None) -> hybrid.DrafterSkip:
     """A skip rule at depth 4 over a table that expects 3.1 drafts of greedy long matches
-    (0.9 each) and 0.43 of greedy short ones (0.3 each); a free verification by default.
-    Drafting n of the two requests costs `drafting_seconds` + n * `each_request`."""
+    (0.9 each) and 0.43 of greedy short ones (0.3 each); a free verification by default."""
     table = np.zeros((2, hybrid.MATCH_BUCKETS, 4))
     table[0, hybrid.match_buckets(6)] = 0.9
     table[0, hybrid.match_buckets(2)] = 0.3
     pass_seconds = np.full(9, 0.04) if pass_seconds is None else pass_seconds
     expected = np.asarray(drafter_expected, dtype=np.float64)
     expected = np.tile(expected, (hybrid.CONTINUATION_KEYS, 1)) if expected.ndim == 1 else expected
-    drafting = np.r_[0.0, drafting_seconds + each_request * np.arange(1, 3)]
-    return hybrid.DrafterSkip(table, 4, expected, pass_seconds, drafting, per_request)
-
-
-def skips(rule: hybrid.DrafterSkip, proposals: hybrid.NgramProposals, greedy: np.ndarray) -> bool:
-    """The rule leaves the drafter out of the whole step."""
-    return not rule.drafted(proposals, greedy).any()
+    return hybrid.DrafterSkip(table, 4, expected, pass_seconds, drafting_seconds)
 
 
 GREEDY = np.array([True, True])
@@ -224,72 +216,37 @@ ONE_MISSING = hybrid.NgramProposals(np.ones((2, 4), dtype=np.int64), np.array([4
 
 def test_drafter_skip_weighs_the_drafters_tokens_against_its_seconds() -> None:
     # Continuations that beat the drafter everywhere: drafting would only cost.
-    assert skips(skip_rule([1.0], drafting_seconds=0.001), LONG_BOTH, GREEDY)
+    assert skip_rule([1.0], drafting_seconds=0.001).applies(LONG_BOTH, GREEDY)
     # The short match's request gains 0.57 expected drafts from the drafter (1.0 against
     # 0.43): worth 1 ms of drafting on a 40 ms pass, not 7 ms.
-    assert not skips(skip_rule([1.0], drafting_seconds=0.001), ONE_SHORT, GREEDY)
-    assert skips(skip_rule([1.0], drafting_seconds=0.007), ONE_SHORT, GREEDY)
+    assert not skip_rule([1.0], drafting_seconds=0.001).applies(ONE_SHORT, GREEDY)
+    assert skip_rule([1.0], drafting_seconds=0.007).applies(ONE_SHORT, GREEDY)
     # Without a continuation the drafter's whole block is the gain.
-    assert not skips(skip_rule([1.0], drafting_seconds=0.004), ONE_MISSING, GREEDY)
+    assert not skip_rule([1.0], drafting_seconds=0.004).applies(ONE_MISSING, GREEDY)
     # ... unless verifying its drafts makes the pass dearer than they bring (5 ms a draft).
-    assert skips(skip_rule([1.0], 0.001, pass_seconds=0.04 + 0.005 * np.arange(9)), ONE_MISSING, GREEDY)
-    assert not skips(skip_rule([1.0], drafting_seconds=0.001), LONG_BOTH, np.array([True, False])), \
+    assert skip_rule([1.0], 0.001, pass_seconds=0.04 + 0.005 * np.arange(9)).applies(ONE_MISSING, GREEDY)
+    assert not skip_rule([1.0], drafting_seconds=0.001).applies(LONG_BOTH, np.array([True, False])), \
         "sampled rows have their own (unlearned, zero) table"
-    assert not skips(skip_rule([], drafting_seconds=0.0), LONG_BOTH, GREEDY), "no c_1 seen yet"
+    assert not skip_rule([], drafting_seconds=0.0).applies(LONG_BOTH, GREEDY), "no c_1 seen yet"
 
 
 def test_drafter_skip_counts_the_confident_steps_of_the_drafter() -> None:
     """The choice takes the better proposal per request, so the drafter's worth is the mean
     of a maximum: c_1 values spread around a mean are worth more than the mean alone."""
-    assert skips(skip_rule([0.9] * 4, drafting_seconds=0.004), ONE_SHORT, GREEDY)
-    assert not skips(skip_rule([0.2, 0.2, 0.2, 3.0], drafting_seconds=0.004), ONE_SHORT, GREEDY)
+    assert skip_rule([0.9] * 4, drafting_seconds=0.004).applies(ONE_SHORT, GREEDY)
+    assert not skip_rule([0.2, 0.2, 0.2, 3.0], drafting_seconds=0.004).applies(ONE_SHORT, GREEDY)
 
 
 def test_drafter_skip_values_the_drafter_by_the_requests_situation() -> None:
     """A drafter confident where the context repeats itself (long matches) and weak
     elsewhere: its worth beside a long match is read from its c_1 there."""
     expected = np.full((hybrid.CONTINUATION_KEYS, 1), 0.2)
-    assert skips(skip_rule(expected, drafting_seconds=0.001), ONE_SHORT, GREEDY)
+    assert skip_rule(expected, drafting_seconds=0.001).applies(ONE_SHORT, GREEDY)
     expected[1 + hybrid.match_buckets(6)] = 3.5  # beats the long match's 3.1
-    assert not skips(skip_rule(expected, drafting_seconds=0.001), ONE_SHORT, GREEDY)
+    assert not skip_rule(expected, drafting_seconds=0.001).applies(ONE_SHORT, GREEDY)
     expected[1 + hybrid.match_buckets(6)] = 0.2
-    assert not skips(skip_rule(expected, drafting_seconds=0.001), ONE_MISSING, GREEDY), \
+    assert not skip_rule(expected, drafting_seconds=0.001).applies(ONE_MISSING, GREEDY), \
         "the request without a continuation gains the drafter's 0.2"
-
-
-def test_drafter_skip_drafts_only_for_the_requests_whose_blocks_pay() -> None:
-    """Drafting costs 0.5 ms plus 1 ms per request drafted for on a 40 ms pass: the short
-    match's request gains 0.57 expected drafts from the drafter's block (1.0 against 0.43),
-    the long match's none (3.1 beats 1.0), so only the first is drafted for (6.1 tokens in
-    41.5 ms, against 5.53 in 40 ms without the drafter and 6.1 in 42.5 ms with both)."""
-    rule = skip_rule([1.0], drafting_seconds=0.0005, per_request=True, each_request=0.001)
-    assert rule.drafted(ONE_SHORT, GREEDY).tolist() == [False, True]
-    assert rule.drafted(ONE_MISSING, GREEDY).tolist() == [False, True], "the request without a continuation"
-    assert rule.drafted(LONG_BOTH, GREEDY).tolist() == [False, False]
-    whole_steps = skip_rule([1.0], drafting_seconds=0.0005, each_request=0.001)
-    assert whole_steps.drafted(ONE_SHORT, GREEDY).tolist() == [True, True], "per_request off: every request or none"
-    pricier = skip_rule([1.0], drafting_seconds=0.0005, per_request=True, each_request=0.004)
-    assert not pricier.drafted(ONE_SHORT, GREEDY).any(), "0.57 drafts (10% more tokens) do not pay for 4.5 ms (11%)"
-    weak_everywhere = np.full((hybrid.CONTINUATION_KEYS, 1), 0.2)
-    weak_everywhere[0] = 1.0  # strong only where no continuation is found
-    assert skip_rule(weak_everywhere, 0.0005, per_request=True, each_request=0.001).drafted(
-        ONE_MISSING, GREEDY).tolist() == [False, True]
-
-
-def test_drafting_cost_prices_the_requests_drafted_for() -> None:
-    """The cost model's query term counts the requests drafted for, not the batch: fitted
-    on proposals that drafted 2, 3 or 4 of 4 requests at 1 ms + 2 ms per request drafted
-    for, it predicts each count's seconds (and the context-only proposal's 0)."""
-    from vllm_dspark.scheduling.controller import DraftingCost
-
-    cost = DraftingCost()
-    for step in range(200):
-        drafted = 2 + step % 3
-        cost.observe(4, 1, drafted, 0.001 + 0.002 * drafted, drafted=drafted)
-        cost.observe(4, 0, 0, 0.0)
-    predicted = cost.predict(4, np.full(5, 1), np.arange(5))
-    assert predicted[2:] == pytest.approx(0.001 + 0.002 * np.arange(2, 5), abs=2e-4)
-    assert cost.predict(4, np.array([0]))[0] == pytest.approx(0.0, abs=2e-4)
 
 
 def with_drafter_and_ngram_learned(ctrl: VerificationController) -> VerificationController:
@@ -318,7 +275,7 @@ def test_the_plan_carries_the_skip_only_where_it_can_apply() -> None:
     assert expected[0].min() > expected[1 + hybrid.match_buckets(6)].max(), "each key its own values"
     assert np.allclose(expected[1 + hybrid.match_buckets(6)],
                        hybrid.drafter_expected(np.array([first]), plan.depth, ctrl.mean_survival))
-    assert skips(plan.drafter_skip, proposals, np.array([True])), "a 4-of-4 continuation against a weak drafter"
+    assert plan.drafter_skip.applies(proposals, np.array([True])), "a 4-of-4 continuation against a weak drafter"
     assert with_drafter_and_ngram_learned(controller(ngram_skips_drafter=False)).plan_drafting(1).drafter_skip is None
     assert PluginOptions().ngram_skips_drafter, "on by default"
 

@@ -32,7 +32,6 @@ def test_configurations_are_valid_plugin_settings():
             assert (settings["speculative_config"]["model"] == "REDUCED") == ("reduced" in name)
             assert options.hybrid_ngram == ("n-gram" in name)
             assert options.drafter_admission == ("drafter admission" in name)
-            assert options.ngram_skips_drafter_per_request == ("whole steps only" not in name)
             if options.policy != "fixed":  # priced on the engine's own start-up profile, as served
                 assert (options.sps_profile, options.profile_at_startup) == ("auto", True), name
     pinned = frontier.configurations("DRAFTER", 7, frontier.curve_options("prof.json"))["dspark"]["additional_config"]

@@ -217,10 +217,6 @@ class PluginOptions(BaseModel):
     # 0.97x and 0.98x / 1.01x / 0.94x with the drafter's c_1 pooled; code 0.96x / 1.00x /
     # 1.03x with it kept by situation, as now (benchmarks/results/closed_loop/README.md).
     ngram_skips_drafter: bool = True
-    # Hybrid, with ngram_skips_drafter: the drafter also leaves out single requests of a step
-    # it drafts in, those whose continuations are predicted to serve faster than its block
-    # costs (its query rows; DrafterSkip); false leaves it out of every request or none.
-    ngram_skips_drafter_per_request: bool = True
     # With adaptive drafting: stop speculating at a load where speculative steps have
     # measurably realized less per-request speed than plain steps there, whatever the
     # model predicts (probes go on; scheduling/realized.py).

@@ -167,50 +167,6 @@ def dflash_proposer_base() -> type:
     return ParallelDrafterProposer
 
 
-def attention_of_requests(cad: Any, index: Any, num_tokens: int, slot_mapping: Any) -> Any:
-    """vLLM's CommonAttentionMetadata of a drafter pass reduced to the requests at `index`
-    (a tensor of batch rows, ascending), each with the same number of query tokens: their
-    `num_tokens` query tokens now lie at the front, in `slot_mapping`. Per-request fields
-    are taken at `index`, as vLLM's own `unpadded` slices them; its caches start empty."""
-    import numpy as np
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    count = len(index)
-    on_cpu = index.cpu()
-
-    def take(values: Any) -> Any:
-        if values is None:
-            return None
-        if isinstance(values, np.ndarray):
-            return values[on_cpu.numpy()]
-        return values[index if values.device == index.device else on_cpu]
-
-    return CommonAttentionMetadata(
-        query_start_loc=cad.query_start_loc[: count + 1],  # a fixed number of query tokens each
-        query_start_loc_cpu=cad.query_start_loc_cpu[: count + 1],
-        seq_lens=take(cad.seq_lens),
-        num_reqs=count,
-        num_actual_tokens=num_tokens,
-        max_query_len=cad.max_query_len,
-        max_seq_len=cad.max_seq_len,
-        block_table_tensor=take(cad.block_table_tensor),
-        slot_mapping=slot_mapping,
-        causal=take(cad.causal) if hasattr(cad.causal, "device") else cad.causal,
-        logits_indices_padded=cad.logits_indices_padded,
-        num_logits_indices=cad.num_logits_indices,
-        max_logits_per_req=cad.max_logits_per_req,
-        encoder_seq_lens=take(cad.encoder_seq_lens),
-        encoder_seq_lens_cpu=take(cad.encoder_seq_lens_cpu),
-        dcp_local_seq_lens=take(cad.dcp_local_seq_lens),
-        dcp_local_seq_lens_cpu_upper_bound=take(cad.dcp_local_seq_lens_cpu_upper_bound),
-        seq_lens_cpu_upper_bound=take(cad.seq_lens_cpu_upper_bound),
-        is_prefilling=take(cad.is_prefilling),
-        req_idx=take(cad.req_idx),
-        rswa_prefix_lens=take(cad.rswa_prefix_lens),
-        replayssm_decode_base_cpu=take(cad.replayssm_decode_base_cpu),
-    )
-
-
 def tokens_with_drafter(runner: Any, scheduler_output: Any, without_drafter: frozenset[str]) -> Any:
     """[tokens of the step] bool tensor, true where the token's request has the drafter: the
     runner lays a step's tokens out request by request, in its batch's order."""

@@ -64,8 +64,6 @@ def _engine_families(engine: int, stats: DSparkStats) -> list:
          "without the drafter", stats.drafter_reference_steps),
         ("drafter_skipped_steps", "Steps the drafter was left out, predicted faster with n-gram continuations alone",
          stats.drafter_skipped_steps),
-        ("requests_left_out_for_ngram", "Requests of drafting steps the drafter drafted no block for, predicted "
-         "faster with their n-gram continuations", stats.requests_left_out_for_ngram),
         ("requests_without_drafter", "Requests admitted without the drafter: it measured no gain at their load",
          stats.requests_without_drafter),
     ]:

@@ -40,9 +40,6 @@ class DraftReport:
     skipped_for_ngram: bool = False  # the worker left the drafter out for n-gram continuations
     lm_head_rows: int = 0  # (request, position) rows whose logits were computed
     seconds: float = 0.0
-    # [N] True for the requests drafted for, in the batch's order (None: all of them): the
-    # others' rows of drafts and confidences are zeros, never to be verified.
-    drafted_rows: np.ndarray | None = None
 
 
 @dataclass

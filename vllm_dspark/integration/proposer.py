@@ -22,7 +22,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_dspark import METHOD
 from vllm_dspark.config import PluginOptions
-from vllm_dspark.integration import compat
+from vllm_dspark.integration.compat import dflash_proposer_base
 from vllm_dspark.integration.deferred_context import ContextRows, DeferredContext
 from vllm_dspark.integration.outputs import DraftReport
 from vllm_dspark.kernels import dispatch
@@ -32,7 +32,7 @@ from vllm_dspark.model.heads import DraftOutput, MarkovHead, draft_seeds, sequen
 _GREEDY_EPS = 1e-5
 
 
-class DSparkProposer(compat.dflash_proposer_base()):
+class DSparkProposer(dflash_proposer_base()):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None) -> None:
         assert vllm_config.speculative_config is not None
         self.is_dspark = vllm_config.speculative_config.method == METHOD
@@ -44,11 +44,6 @@ class DSparkProposer(compat.dflash_proposer_base()):
         # Set by the runner before a proposal predicted faster with the requests' n-gram
         # continuations alone (hybrid.DrafterSkip): only the context is stored, once.
         self.skip_for_ngram = False
-        # Set by the runner before each proposal: [N] True for the requests the drafter
-        # drafts for (hybrid.DrafterSkip.drafted; None: all). Only their query rows enter
-        # the drafter's forward pass; the others get no block (rows of zeros).
-        self.drafted_rows: np.ndarray | None = None
-        self._drafted_index: torch.Tensor | None = None  # their rows while a proposal runs
         # Set by the runner before each proposal: [tokens of the step] true where the
         # token's request has the drafter (None: all have it). A proposal of no drafts
         # stores only those rows; a drafting one writes every row, as vLLM does.
@@ -67,40 +62,21 @@ class DSparkProposer(compat.dflash_proposer_base()):
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor:
         """vLLM's proposal, timed; with 0 tokens asked for (the scheduler decided not to
         draft) or the n-gram skip set, only the context is stored (queued where deferred),
-        without the drafter's forward pass; with `drafted_rows` set, the forward pass
-        computes those requests' blocks alone."""
+        without the drafter's forward pass."""
         if not self.is_dspark:
             return super().propose(num_speculative_tokens, *args, **kwargs)
         skipped, self.skip_for_ngram = self.skip_for_ngram and num_speculative_tokens > 0, False
-        drafted, self.drafted_rows = self.drafted_rows, None
         if skipped:
             num_speculative_tokens = 0
         if num_speculative_tokens == 0:
             return self.propose_context_only(lambda: self.step_context(*args, **kwargs),
                                              kwargs["common_attn_metadata"].batch_size(), skipped)
-        if drafted is not None and (drafted.all() or self.uses_mrope):  # (subsets move 1-D positions only)
-            drafted = None
         self._timer.start()
-        self._report = DraftReport(depth=num_speculative_tokens, drafted_rows=drafted)
+        self._report = DraftReport(depth=num_speculative_tokens)
         self._write_deferred_context()
-        if drafted is not None:
-            self._drafted_index = torch.from_numpy(np.flatnonzero(drafted)).to(self.device)
-        try:
-            drafts = super().propose(num_speculative_tokens, *args, **kwargs)
-            if drafted is not None:
-                drafts = self._widen(drafts, len(drafted))
-                if self._last_draft_probs is not None:
-                    self._last_draft_probs = self._widen(self._last_draft_probs, len(drafted))
-        finally:
-            self._drafted_index = None
+        drafts = super().propose(num_speculative_tokens, *args, **kwargs)
         self._timer.stop()
         return drafts
-
-    def _widen(self, rows: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """[n, ...] rows of the requests drafted for -> [batch_size, ...], zeros elsewhere."""
-        assert self._drafted_index is not None
-        full = rows.new_zeros((batch_size, *rows.shape[1:]))
-        return full.index_copy_(0, self._drafted_index, rows)
 
     @property
     def defers_context(self) -> bool:
@@ -157,30 +133,7 @@ class DSparkProposer(compat.dflash_proposer_base()):
             return num_tokens, sample_indices, new_cad
         self._anchors = next_token_ids[: cad.batch_size()]
         # The parent samples the K mask slots (1..K); DSpark reads slots 0..K-1.
-        sample_indices = sample_indices - 1
-        if self._drafted_index is None or not self.num_speculative_tokens:
-            return num_tokens, sample_indices, new_cad
-        return self._only_drafted(sample_indices, new_cad)
-
-    def _only_drafted(
-        self, sample_indices: torch.Tensor, cad: CommonAttentionMetadata
-    ) -> tuple[int, torch.Tensor, CommonAttentionMetadata]:
-        """The query rows of the requests drafted for, moved to the front of vLLM's input
-        buffers (request order kept), with the attention metadata of those requests alone,
-        so the drafter's forward pass and the sequential stage compute their blocks only.
-        A request's block reads its own context and query rows, never another request's,
-        so each block is what the whole batch's pass would have drafted for it."""
-        index = self._drafted_index
-        assert index is not None
-        per_request = 1 + self.num_speculative_tokens
-        rows = (index[:, None] * per_request + torch.arange(per_request, device=index.device)).reshape(-1)
-        count = rows.numel()
-        for buffer in (self.input_ids, self.positions, self._slot_mapping_buffer):
-            buffer[:count] = buffer[rows]  # the gather copies before the write
-        self._anchors = self._anchors[index]
-        # Request i's samples sit where request i's sat in the full layout (i * (K + 1) + j).
-        sample_indices = sample_indices.view(cad.batch_size(), -1)[: len(index)].reshape(-1)
-        return count, sample_indices, compat.attention_of_requests(cad, index, count, self._slot_mapping_buffer[:count])
+        return num_tokens, sample_indices - 1, new_cad
 
     def sample_block(
         self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata
@@ -193,8 +146,7 @@ class DSparkProposer(compat.dflash_proposer_base()):
         model = self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
         temperature = None
         if not sampling_metadata.all_greedy and sampling_metadata.temperature is not None:
-            temps = sampling_metadata.temperature
-            temps = (temps[:batch] if self._drafted_index is None else temps[self._drafted_index]).float()
+            temps = sampling_metadata.temperature[:batch].float()
             temperature = torch.where(temps < _GREEDY_EPS, torch.zeros_like(temps), temps)
         hidden = hidden_states.view(batch, k, -1)
         anchors = self._anchors[:batch]
@@ -211,10 +163,7 @@ class DSparkProposer(compat.dflash_proposer_base()):
             )
         assert self._report is not None
         self._report.lm_head_rows = batch * k if out.lm_head_rows is None else out.lm_head_rows
-        confidences = out.confidences
-        if self._drafted_index is not None:
-            confidences = self._widen(confidences, len(self._report.drafted_rows))
-        self._keep_confidences(confidences)
+        self._keep_confidences(out.confidences)
         probs = None if out.probs is None else out.probs.reshape(batch * k, -1)
         return out.tokens.reshape(-1), probs
 

@@ -97,17 +97,12 @@ class DSparkScheduler(Scheduler):
         confidences = getattr(draft_token_ids, "confidences", None)
         report = getattr(draft_token_ids, "report", None)
         proposals = getattr(draft_token_ids, "ngram", None)
-        drafted = None if report is None else report.drafted_rows  # None: every request's block drafted
         if proposals is not None and self.controller.ngram is not None:
-            draft_token_ids = self._choose_proposals(draft_token_ids, confidences, proposals, drafted)
-        else:
-            self._ngram_matches.clear()  # no continuation pending
-        if self._without_drafter or drafted is not None:
-            # Blocks drafted without the request's context, or not drafted (zeros): never verified.
+            draft_token_ids = self._choose_proposals(draft_token_ids, confidences, proposals)
+        if self._without_drafter:  # their blocks were drafted without their context: never verified
             draft_token_ids = DraftTokenIds(draft_token_ids.req_ids, [
-                [] if (req_id in self._without_drafter or (drafted is not None and not drafted[row]))
-                and req_id not in self._ngram_matches else drafts
-                for row, (req_id, drafts) in enumerate(zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids))])
+                [] if req_id in self._without_drafter and req_id not in self._ngram_matches else drafts
+                for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)])
         super().update_draft_token_ids(draft_token_ids)
         if confidences is not None:
             rows = {req_id: row for row, req_id in enumerate(draft_token_ids.req_ids)}
@@ -115,14 +110,11 @@ class DSparkScheduler(Scheduler):
         if report is not None:
             req_ids = draft_token_ids.req_ids
             self.controller.observe_drafting(len(req_ids), report.depth, report.lm_head_rows, report.seconds,
-                                             report.skipped_for_ngram, self._count_with_drafter(req_ids),
-                                             None if drafted is None else int(drafted.sum()))
+                                             report.skipped_for_ngram, self._count_with_drafter(req_ids))
 
-    def _choose_proposals(self, drafts: DraftTokenIds, confidences: np.ndarray | None, proposals,
-                          drafted: np.ndarray | None = None) -> DraftTokenIds:
+    def _choose_proposals(self, drafts: DraftTokenIds, confidences: np.ndarray | None, proposals) -> DraftTokenIds:
         """Each request's drafter block or its n-gram continuation, as the controller
-        prefers (from the drafter's first confidence and the match, nothing drawn); a
-        request the drafter drafted no block for (`drafted` False) takes its continuation."""
+        prefers (from the drafter's first confidence and the match, nothing drawn)."""
         req_ids = drafts.req_ids
         confidences = None if confidences is None else np.asarray(confidences)
         depth = 0 if confidences is None else confidences.shape[1]
@@ -130,8 +122,6 @@ class DSparkScheduler(Scheduler):
         greedy = np.array([_is_greedy(self.requests[r]) if r in self.requests else True for r in req_ids], dtype=bool)
         with_drafter = (np.array([r not in self._without_drafter for r in req_ids], dtype=bool)
                         if self._without_drafter else None)
-        if drafted is not None:
-            with_drafter = drafted if with_drafter is None else with_drafter & drafted
         chosen = self.controller.prefer_ngram(first, greedy, proposals, depth, with_drafter)
         lists = list(drafts.draft_token_ids)
         for row, req_id in enumerate(req_ids):

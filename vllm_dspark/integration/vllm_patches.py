@@ -16,10 +16,9 @@ reads is in `compat.py`). Each patch is idempotent and applies in every vLLM pro
    batch's token ids once the step's tokens are in, unless the scheduler said the next
    step verifies nothing (`VERIFIES_NEXT_FIELD`); `propose_draft_token_ids` hands the
    proposer the early-stop survival the scheduler put on the scheduler output
-   (`MIN_SURVIVAL_FIELD`) and the requests the scheduler's `DrafterSkip`
-   (`DRAFTER_SKIP_FIELD`) predicts faster with the drafter's block than with their
-   continuations alone: it drafts for those only, and stores only the context where
-   there are none (the continuations, looked up then on the step's sampled tokens, are
+   (`MIN_SURVIVAL_FIELD`) and, where the scheduler's `DrafterSkip` (`DRAFTER_SKIP_FIELD`)
+   predicts the step faster with the requests' continuations alone, has it store only
+   the context (the continuations, looked up then on the step's sampled tokens, are
    reused); `execute_model` reads the requests whose drafts are n-gram continuations
    (`POINT_MASS_FIELD`) and `_get_spec_decode_draft_probs` gives those rows the point
    mass on the proposed token as the rejection sampler's draft distribution.
@@ -296,15 +295,13 @@ def _patch_model_runner() -> None:
             # scheduler output; 0, no early stop, where it did not arrive).
             drafter.min_survival = getattr(scheduler_output, MIN_SURVIVAL_FIELD, 0.0)
             skip = getattr(scheduler_output, DRAFTER_SKIP_FIELD, None)
-            self._vllm_dspark_lookup, drafter.skip_for_ngram, drafter.drafted_rows = None, False, None
+            self._vllm_dspark_lookup, drafter.skip_for_ngram = None, False
             # (The scheduler sends a skip only with the hybrid lookup on.)
             if skip is not None and drafter.is_dspark and scheduler_output.num_spec_tokens_to_schedule:
                 self._vllm_dspark_lookup = lookup_after_step(self, args[0] if args else kwargs.get("sampled_token_ids"))
                 if self._vllm_dspark_lookup is not None:
                     greedy = self.input_batch.temperature_cpu[: self.input_batch.num_reqs] == 0.0
-                    drafted = skip.drafted(self._vllm_dspark_lookup[1], greedy)
-                    drafter.skip_for_ngram = not drafted.any()
-                    drafter.drafted_rows = None if drafter.skip_for_ngram or drafted.all() else drafted
+                    drafter.skip_for_ngram = skip.applies(self._vllm_dspark_lookup[1], greedy)
         return original_propose(self, scheduler_output, *args, **kwargs)
 
     runner_cls.take_draft_token_ids = take_draft_token_ids

@@ -119,12 +119,11 @@ class DraftPlan:
 
 
 class DraftingCost:
-    """Drafting seconds per step ~ w . [R, [drafted], n * d, LM-head rows], fitted online by
+    """Drafting seconds per step ~ w . [R, [d > 0], R * d, LM-head rows], fitted online by
     recursive least squares with forgetting: the context pass costs per request (at
     d = 0 it is only queued, and the next drafting step writes the queue: the fixed term
     takes that in), the drafter's forward pass a fixed price once it runs at all (launches,
-    metadata, the host side) plus a price per query token (d per request drafted for, n of
-    the R), the LM head per computed row.
+    metadata, the host side) plus a price per query token, the LM head per computed row.
 
     The fixed term is what a CPU shows at one request: 1 ms for the context pass alone and
     7.7 ms at depths 1, 2 and 3 alike (drafting flat in depth). Without it the least
@@ -142,28 +141,24 @@ class DraftingCost:
         self.samples = 0
 
     @staticmethod
-    def features(num_requests: int, depths: np.ndarray, rows: np.ndarray | None = None,
-                 drafted: np.ndarray | None = None) -> np.ndarray:
-        """[len(depths), 4] regressors; `drafted` (requests drafted for) defaults to every
-        request, `rows` to each of them drafting its depth in full."""
+    def features(num_requests: int, depths: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """[len(depths), 4] regressors; `rows` defaults to every request drafting each depth in full."""
         depths = np.asarray(depths, dtype=np.float64)
         requests = np.full_like(depths, float(num_requests))
-        query = depths * (requests if drafted is None else np.asarray(drafted, dtype=np.float64))
-        rows = query if rows is None else np.asarray(rows, dtype=np.float64)
-        return np.stack([requests, (query > 0).astype(np.float64), query, rows], axis=-1)
+        rows = requests * depths if rows is None else np.asarray(rows, dtype=np.float64)
+        return np.stack([requests, (depths > 0).astype(np.float64), requests * depths, rows], axis=-1)
 
-    def observe(self, num_requests: int, depth: int, rows: int, seconds: float, drafted: int | None = None) -> None:
-        x = self.features(num_requests, np.array([depth]), np.array([rows]), None if drafted is None else np.array([drafted]))[0]
+    def observe(self, num_requests: int, depth: int, rows: int, seconds: float) -> None:
+        x = self.features(num_requests, np.array([depth]), np.array([rows]))[0]
         px = self.covariance @ x
         gain = px / (self.forgetting + x @ px)
         self.weights += gain * (seconds - x @ self.weights)
         self.covariance = (self.covariance - np.outer(gain, px)) / self.forgetting
         self.samples += 1
 
-    def predict(self, num_requests: int, depths: np.ndarray, drafted: np.ndarray | None = None) -> np.ndarray:
-        """Seconds for each depth (and count of requests drafted for, all by default),
-        counting every drafted request's rows up to it (no early stop)."""
-        return np.maximum(0.0, self.features(num_requests, depths, drafted=drafted) @ self.weights)
+    def predict(self, num_requests: int, depths: np.ndarray) -> np.ndarray:
+        """Seconds for each depth, counting every request's rows up to it (no early stop)."""
+        return np.maximum(0.0, self.features(num_requests, depths) @ self.weights)
 
 
 @dataclass(frozen=True)
@@ -538,11 +533,10 @@ class VerificationController:
             self._previous_step[2].drafter_role = role
 
     def _drafter_skip(self, num_requests: int, depth: int) -> hybrid.DrafterSkip | None:
-        """What the worker needs to leave the drafter out for the requests (or the whole
-        step) predicted to serve faster with their n-gram continuations alone, from earlier
-        steps only: the learned n-gram acceptance, the drafter's expectation at this depth
-        over recent c_1 values, the pass time by drafts verified and the drafting time by
-        requests drafted for (hybrid.DrafterSkip)."""
+        """What the worker needs to leave the drafter out where the step is predicted to
+        serve faster with n-gram continuations alone, from earlier steps only: the learned
+        n-gram acceptance, the drafter's expectation at this depth over recent c_1 values,
+        the pass time by drafts verified and the drafting time (hybrid.DrafterSkip)."""
         if (self.ngram is None or not depth or not num_requests or not self.options.ngram_skips_drafter
                 or self.mean_survival is None or self.curve is None or not any(self._first_confidences)):
             return None
@@ -553,12 +547,11 @@ class VerificationController:
                                               for recent in self._first_confidences])
         first = self._first_quantiles
         expected = hybrid.drafter_expected(first.ravel(), depth, self.mean_survival).reshape(first.shape)
-        drafted = np.arange(num_requests + 1)
-        drafting = self.drafting_cost.predict(num_requests, np.full(len(drafted), depth), drafted)
+        drafting = self.drafting_cost.predict(num_requests, np.array([0, depth]))
         return hybrid.DrafterSkip(
             self.ngram.table(), depth, expected,
             self._pass_seconds(num_requests + np.arange(num_requests * self.block + 1)),
-            drafting - drafting[0], per_request=self.options.ngram_skips_drafter_per_request,
+            float(drafting[1] - drafting[0]),
         )
 
     def _pass_seconds(self, batch_tokens: np.ndarray) -> np.ndarray:
@@ -596,21 +589,18 @@ class VerificationController:
 
     def observe_drafting(
         self, num_requests: int, depth: int, lm_head_rows: int, seconds: float, skipped_for_ngram: bool = False,
-        with_drafter: int | None = None, drafted: int | None = None,
+        with_drafter: int | None = None,
     ) -> None:
         """What the last proposal cost (from the drafter's own timing); `skipped_for_ngram`:
         the worker left the drafter out for the requests' n-gram continuations;
-        `with_drafter` of the requests have the drafter (None: all); the drafter drafted
-        for `drafted` of them (None: all)."""
+        `with_drafter` of the requests have the drafter (None: all)."""
         self.stats.drafter_skipped_steps += int(skipped_for_ngram)
-        if drafted is not None and depth:
-            self.stats.requests_left_out_for_ngram += num_requests - drafted
         if self.ledger is not None:
             self.ledger.observe_proposal(num_requests, num_requests if with_drafter is None else with_drafter,
                                          max(0.0, seconds))
         if num_requests <= 0 or seconds <= 0.0:
             return
-        self.drafting_cost.observe(num_requests, depth, lm_head_rows, seconds, drafted)
+        self.drafting_cost.observe(num_requests, depth, lm_head_rows, seconds)
         self._drafting_in_step += seconds
         self._drafted_in_step = self._drafted_in_step or depth > 0
         weight = 1.0 if self.drafting_cost.samples == 1 else DRAFTING_SMOOTHING

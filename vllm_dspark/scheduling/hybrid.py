@@ -196,66 +196,51 @@ def drafter_expected(first_confidence: np.ndarray, drafted_depth: int, mean_surv
 
 @dataclass(frozen=True)
 class DrafterSkip:
-    """The scheduler's word to the worker on leaving the drafter out: once the step's
-    tokens are sampled the worker looks up every request's continuation and drafts only
-    for the requests whose blocks are predicted to serve more tokens per second than they
-    cost (`drafted`); for the others, and for every request where none pays, the drafter
-    only stores its context.
+    """The scheduler's word to the worker on leaving the drafter out of a step: once the
+    step's tokens are sampled the worker looks up every request's continuation and, where
+    the step is predicted to serve more tokens per second without the drafter's block than
+    with it, only stores the drafter's context.
 
     The prediction weighs, as the depth choice does (controller.py), tokens against
     seconds. Without the drafter each request expects 1 + its continuation's learned
-    acceptance and the pass verifies every continuation. A request drafted for takes the
-    larger of that and the drafter's expectation (its choice, `prefer_ngram`); the step then
-    also pays the drafter's pass, a fixed price plus one per request drafted for (its query
-    rows: on a CPU the drafter's products cost about in proportion to them). This step's c_1
-    is not drawn yet, so the drafter's expectation is averaged over recent c_1 values: the
-    choice is a maximum, and the mean c_1 alone would undervalue a drafter that is
-    sometimes confident. Those values are kept apart by the request's situation
-    (`continuation_keys`): where the context repeats itself the drafter is confident too,
-    and c_1 pooled over all steps, most of them drawn where no continuation was found,
-    would undervalue it exactly where the skip is weighed. (Measured: a rule that compared
-    every continuation with the mean c_1 and ignored seconds skipped where a confident
-    drafter would have won, benchmarks/results/ngram_skip_ab/. At one request on code, c_1
-    pooled left the drafter out of 35-37% of the steps, 2-4% behind never leaving it out;
-    kept apart, 22%, 4% behind: within what two identical engines differ by;
-    benchmarks/results/closed_loop/.)
+    acceptance and the pass verifies every continuation. With it, each request takes the
+    larger of that and the drafter's expectation (its choice, `prefer_ngram`), and the
+    step also pays the drafter's pass. This step's c_1 is not drawn yet, so the drafter's
+    expectation is averaged over recent c_1 values: the choice is a maximum, and the mean
+    c_1 alone would undervalue a drafter that is sometimes confident. Those values are
+    kept apart by the request's situation (`continuation_keys`): where the context repeats
+    itself the drafter is confident too, and c_1 pooled over all steps, most of them drawn
+    where no continuation was found, would undervalue it exactly where the skip is weighed.
+    (Measured: a rule that compared every continuation with the mean c_1 and ignored
+    seconds skipped where a confident drafter would have won, benchmarks/results/
+    ngram_skip_ab/. At one request on code, c_1 pooled left the drafter out of 35-37% of
+    the steps, 2-4% behind never leaving it out; kept apart, 22%, 4% behind: within what
+    two identical engines differ by; benchmarks/results/closed_loop/.)
 
-    The requests are taken in the order of what the drafter adds to each, and the number
-    drafted for is the one with the most tokens per second (`per_request` False: all of
-    them or none). The decision reads the context and earlier steps only, never a draw,
-    so verification stays exact (module docstring); a request left out verifies its
-    continuation or nothing."""
+    The decision reads the context and earlier steps only, never a draw, so
+    verification stays exact (module docstring)."""
 
     table: np.ndarray  # [mode, match bucket, position] learned n-gram acceptance
     depth: int  # the planned draft depth
     drafter_expected: np.ndarray  # [CONTINUATION_KEYS, S] the block's expected accepted drafts, per recent c_1
     pass_seconds: np.ndarray  # [n] predicted seconds of the pass with n drafts beside the requests' own tokens
-    # [n] predicted drafting seconds with n requests drafted for, beyond storing the context ([0] = 0)
-    drafting_seconds: np.ndarray
-    per_request: bool = True
+    drafting_seconds: float  # predicted drafting at the planned depth less storing the context alone
 
-    def drafted(self, proposals: NgramProposals, greedy: np.ndarray) -> np.ndarray:
-        """[R] True for the requests the drafter drafts for (none: it is left out)."""
+    def applies(self, proposals: NgramProposals, greedy: np.ndarray) -> bool:
+        """True where the step is predicted to serve more tokens a second without the drafter."""
         requests = len(proposals.lengths)
-        if not self.drafter_expected.shape[1]:  # no c_1 seen yet: nothing to weigh
-            return np.ones(requests, dtype=bool)
+        if not requests or not self.drafter_expected.shape[1]:
+            return False
         conditional = conditional_from_table(self.table, proposals.matches, proposals.lengths, greedy)
         ngram = expected_accepted(conditional)  # [R]; 0 without a continuation
         drafter = self.drafter_expected[continuation_keys(proposals)].T  # [S, R]
         takes_drafter = drafter > ngram[None, :]
-        gain = np.where(takes_drafter, drafter - ngram[None, :], 0.0).mean(axis=0)  # [R] accepted drafts added
-        extra = np.where(takes_drafter, self.depth - proposals.lengths[None, :], 0).mean(axis=0)  # [R] drafts added
-        order = np.argsort(-gain, kind="stable")
-        counts = np.arange(requests + 1) if self.per_request else np.array([0, requests])
-        tokens = requests + ngram.sum() + np.r_[0.0, np.cumsum(gain[order])][counts]
-        drafts = proposals.lengths.sum() + np.r_[0.0, np.cumsum(extra[order])][counts]
-        seconds = np.maximum(_read(self.pass_seconds, drafts), 1e-9) + _read(self.drafting_seconds, counts)
-        best = counts[int(np.argmax(tokens / seconds))]  # on a tie the fewer
-        chosen = np.zeros(requests, dtype=bool)
-        chosen[order[:best]] = True
-        return chosen
+        with_tokens = requests + np.where(takes_drafter, drafter, ngram).sum(axis=1)
+        with_drafts = np.where(takes_drafter, self.depth, proposals.lengths).sum(axis=1)
+        with_seconds = self.seconds(with_drafts) + self.drafting_seconds
+        without_seconds = self.seconds(np.array([proposals.lengths.sum()]))[0]
+        return bool((requests + ngram.sum()) / without_seconds >= with_tokens.mean() / with_seconds.mean())
 
-
-def _read(table: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """table[at] for fractional `at`, linear between entries, the last entry beyond them."""
-    return np.interp(at, np.arange(len(table)), table)
+    def seconds(self, drafts: np.ndarray) -> np.ndarray:
+        """Predicted seconds of the verification pass with `drafts` drafts in it."""
+        return np.maximum(self.pass_seconds[np.minimum(drafts, len(self.pass_seconds) - 1)], 1e-9)

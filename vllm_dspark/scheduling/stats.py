@@ -52,8 +52,6 @@ class DSparkStats:
     ngram_proposed: int = 0
     # Steps the worker left the drafter out, predicted faster with n-gram continuations alone.
     drafter_skipped_steps: int = 0
-    # Requests of drafting steps the drafter drafted no block for, their continuations predicted to serve faster.
-    requests_left_out_for_ngram: int = 0
     ngram_verified: int = 0
     ngram_accepted: int = 0
     # Requests admitted without the drafter: it measured no gain at their load (drafter_ledger.py).
@@ -106,8 +104,7 @@ class DSparkStats:
             f"{self.drafting_seconds:.1f} s drafting, {self.vetoed_steps} steps not speculating on measured losses, "
             f"{self.reference_steps} plain reference steps"
             + (f", n-gram drafts proposed {self.ngram_proposed}, verified {self.ngram_verified}, "
-               f"accepted {self.ngram_accepted}, drafter left out on {self.drafter_skipped_steps} steps "
-               f"and for {self.requests_left_out_for_ngram} requests of drafting steps, "
+               f"accepted {self.ngram_accepted}, drafter left out on {self.drafter_skipped_steps} steps, "
                f"not drafting on {self.drafter_vetoed_steps} steps where steps without the drafter measured faster "
                f"and on {self.drafter_reference_steps} reference steps for that check"
                if self.ngram_proposed else "")
