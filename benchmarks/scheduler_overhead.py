@@ -6,8 +6,10 @@ single decisions of each policy object, built once as the engine builds it (and 
 `dspark_budget`, which the asynchronous variant runs once per step as well, of the live
 recalibration's apply + observe, which every policy adds per step when `recalibrate` is
 on, and of the whole controller step the engine runs: decide, step_scheduled, observe,
-with recalibration) for R requests with K = 7 drafts each, cycling through a pool of
-different confidence arrays. Writes benchmarks/results/scheduler_overhead.{json,md}.
+with recalibration; and of the step the default hybrid engine runs: the same with the
+n-gram lookup, the drafter skip's rule, the choice between proposals and the drafting
+plan) for R requests with K = 7 drafts each, cycling through a pool of different
+confidence arrays. Writes benchmarks/results/scheduler_overhead.{json,md}.
 
 Usage: python benchmarks/scheduler_overhead.py [--calls N] [--out-dir DIR]
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from vllm_dspark.config import PluginOptions
-from vllm_dspark.scheduling import SpsCurve, dspark_budget
+from vllm_dspark.scheduling import SpsCurve, dspark_budget, hybrid
 from vllm_dspark.scheduling.controller import StepInputs, VerificationController
 from vllm_dspark.scheduling.policies import PolicyStep, build_policy, decide_lengths
 from vllm_dspark.scheduling.recalibration import OnlineRecalibrator
@@ -83,7 +85,58 @@ def cases(pool: list[np.ndarray]) -> dict[str, Callable[[np.ndarray], object]]:
     }
     cases = {name: (lambda c, p=policy: decide_lengths(p, PolicyStep(c, CURVE))) for name, policy in policies.items()}
     return cases | {"dspark_budget": lambda c: dspark_budget(c, CURVE), "recalibrate": recalibrate,
-                    "controller_step": controller_step}
+                    "controller_step": controller_step, "hybrid_step": hybrid_step(num_requests)[0]}
+
+
+def hybrid_step(num_requests: int) -> tuple[Callable[[np.ndarray], None], VerificationController]:
+    """One step of the default (hybrid) engine's plugin work outside vLLM, in the order the
+    engine makes it: the step starts and the controller decides the lengths of the pending
+    proposals (n-gram continuations where the choice took them, the drafter's blocks
+    elsewhere), the step is scheduled and its drafting planned, the worker looks up every
+    request's continuation on contexts of 300-500 tokens and applies the skip's rule, the
+    drafts arrive and the controller chooses between the proposals, and the outcome comes
+    back. The greedy requests accept a random part of what they verify. Returns the step
+    (confidences [R, K] of the drafter's next blocks) and the controller it drives."""
+    rng = np.random.default_rng(1)
+    options = PluginOptions(policy="dspark", sps_table=CURVE.points)
+    controller = VerificationController(options, CURVE, num_speculative_tokens=BLOCK)
+    req_ids = tuple(map(str, range(num_requests)))
+    greedy = np.ones(num_requests, dtype=bool)
+    token_ids = rng.integers(0, 50, size=(num_requests, 600))  # a small vocabulary: continuations are found
+    rows = np.arange(num_requests)
+    state = {"step": 0, "depth": BLOCK, "pending": None}
+
+    def step(c: np.ndarray) -> None:
+        state["step"] += 1
+        controller.step_started(0.05 * state["step"])
+        pending = state["pending"]
+        ids: tuple[str, ...] = ()
+        if pending is not None:
+            chosen, proposals = pending
+            proposed = np.where(chosen, proposals.lengths, state["depth"])
+            drafting = proposed > 0
+            ids = tuple(np.array(req_ids)[drafting])
+            confidences = np.where(np.arange(BLOCK) < proposed[:, None], c, 0.0)[drafting]
+            matches = np.where(chosen, proposals.matches, 0)[drafting]
+            decision = controller.decide(StepInputs(ids, confidences, proposed[drafting], greedy[drafting],
+                                                    ngram_matches=matches))
+        scheduled = dict(zip(ids, decision.verified.tolist())) if ids else {}
+        controller.step_scheduled(0.05 * state["step"], num_requests + sum(scheduled.values()), scheduled, 0,
+                                  num_requests)
+        plan = controller.plan_drafting(num_requests)
+        proposals = hybrid.lookup_continuations(token_ids, 300 + (state["step"] % 200) + rows, rows, BLOCK, 8192)
+        skipped = plan.drafter_skip is not None and plan.drafter_skip.applies(proposals, greedy)
+        depth = 0 if skipped else plan.depth
+        controller.observe_drafting(num_requests, depth, num_requests * depth, 0.004 if depth else 0.001, skipped)
+        state["pending"] = (controller.prefer_ngram(c[:, 0] if depth else np.zeros(num_requests), greedy, proposals,
+                                                    depth), proposals)
+        state["depth"] = depth
+        if ids:
+            controller.observe(np.minimum(rng.integers(0, 4, size=len(ids)), decision.verified) + 1)
+        else:
+            controller.observe(None)
+
+    return step, controller
 
 
 def main() -> None:

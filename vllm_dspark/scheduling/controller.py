@@ -157,8 +157,11 @@ class DraftingCost:
         self.samples += 1
 
     def predict(self, num_requests: int, depths: np.ndarray) -> np.ndarray:
-        """Seconds for each depth, counting every request's rows up to it (no early stop)."""
-        return np.maximum(0.0, self.features(num_requests, depths) @ self.weights)
+        """Seconds for each depth, counting every request's rows up to it (no early stop):
+        `features(num_requests, depths) @ weights`, written out (the plan asks every step)."""
+        context, fixed, query, rows = self.weights.tolist()
+        depths = np.asarray(depths, dtype=np.float64)
+        return np.maximum(0.0, num_requests * context + fixed * (depths > 0) + (query + rows) * num_requests * depths)
 
 
 @dataclass(frozen=True)
@@ -273,8 +276,9 @@ class VerificationController:
         # The drafter's recent calibrated c_1 on drafted steps by the request's continuation
         # key (hybrid: the skip rule's prior).
         self._first_confidences = [deque(maxlen=RECENT_FIRST_CONFIDENCES) for _ in range(hybrid.CONTINUATION_KEYS)]
-        # Their quantiles per key, kept until new values arrive (None: to be taken again).
-        self._first_quantiles: np.ndarray | None = None
+        # Their quantiles per key, each kept until its key has new values (`_stale_keys`).
+        self._first_quantiles = np.zeros((hybrid.CONTINUATION_KEYS, len(FIRST_CONFIDENCE_LEVELS)))
+        self._stale_keys = set(range(hybrid.CONTINUATION_KEYS))
         self.stats = DSparkStats(policy=self.policy.name)
         # (start time, tokens in the pass, its record for the realized-speed check) of the
         # decode step in flight; None: not timed
@@ -429,7 +433,7 @@ class VerificationController:
             return
         emitted = np.asarray(emitted)
         verified = np.where(emitted < 0, 0, pending.verified)  # no output: nothing was judged
-        accepted = np.clip(emitted - 1, 0, verified)
+        accepted = np.minimum(np.maximum(emitted - 1, 0), verified)
         self.stats.accepted += int(accepted.sum())
         if pending.record is not None and self.realized is not None and pending.record.tokens is None:
             pending.record.tokens = pending.record.requests + int(accepted.sum())
@@ -540,11 +544,14 @@ class VerificationController:
         if (self.ngram is None or not depth or not num_requests or not self.options.ngram_skips_drafter
                 or self.mean_survival is None or self.curve is None or not any(self._first_confidences)):
             return None
-        if self._first_quantiles is None:  # new c_1 values since the last plan (drafted steps only)
-            # A key not seen yet takes every key's values.
-            pooled = [c for recent in self._first_confidences for c in recent] if not all(self._first_confidences) else []
-            self._first_quantiles = np.stack([linear_quantiles(recent or pooled, FIRST_CONFIDENCE_LEVELS)
-                                              for recent in self._first_confidences])
+        if self._stale_keys:  # new c_1 values since the last plan (drafted steps only)
+            # A key not seen yet takes every key's values, so it is stale whenever any key is.
+            empty = {key for key, recent in enumerate(self._first_confidences) if not recent}
+            pooled = [c for recent in self._first_confidences for c in recent] if empty else []
+            for key in self._stale_keys | empty:
+                self._first_quantiles[key] = linear_quantiles(self._first_confidences[key] or pooled,
+                                                              FIRST_CONFIDENCE_LEVELS)
+            self._stale_keys.clear()
         first = self._first_quantiles
         expected = hybrid.drafter_expected(first.ravel(), depth, self.mean_survival).reshape(first.shape)
         drafting = self.drafting_cost.predict(num_requests, np.array([0, depth]))
@@ -583,7 +590,7 @@ class VerificationController:
         assert self.curve is not None and self.mean_survival is not None
         depths = np.arange(max_depth + 1)
         survival = self.mean_survival[:max_depth]
-        tokens = num_requests + with_drafter * np.r_[0.0, np.cumsum(survival)]
+        tokens = num_requests + with_drafter * np.concatenate(([0.0], np.cumsum(survival)))
         step = self._pass_seconds(num_requests + with_drafter * depths) + self.drafting_cost.predict(num_requests, depths)
         return int(np.argmax(tokens / np.maximum(step, 1e-9)))
 
@@ -622,11 +629,11 @@ class VerificationController:
         with_drafter = np.ones(len(greedy), dtype=bool) if with_drafter is None else np.asarray(with_drafter)
         raw = self._valid_confidences(np.asarray(first_confidence)[:, None], count=False)  # decide() counts them
         first = self._recalibrated(raw, greedy)[:, 0]
-        if drafted_depth and with_drafter.any():  # new c_1 values: the skip's quantiles are stale
+        if drafted_depth and with_drafter.any():  # new c_1 values: their keys' quantiles are stale
             keys = hybrid.continuation_keys(proposals)
-            for key in np.unique(keys[with_drafter]):
+            for key in np.unique(keys[with_drafter]).tolist():
                 self._first_confidences[key].extend(first[with_drafter & (keys == key)].tolist())
-            self._first_quantiles = None
+                self._stale_keys.add(key)
         conditional = self.ngram.conditional(proposals.matches, proposals.lengths, greedy)
         preferred = ~with_drafter | hybrid.prefer_ngram(conditional, first, drafted_depth, self.mean_survival)
         return (proposals.lengths > 0) & preferred

@@ -96,7 +96,7 @@ def lookup_continuations(
     longest = run == best[row_of]
     end = np.full(len(rows), -1 if most_recent else width, dtype=np.int64)
     (np.maximum if most_recent else np.minimum).at(end, row_of[longest], end_of[longest])
-    end = np.clip(end, 0, width - 1)  # rows without a candidate: zeroed below
+    end = np.minimum(np.maximum(end, 0), width - 1)  # rows without a candidate: zeroed below
     count = np.minimum(np.minimum(k, last - end), max_model_len - 1 - context_lengths)
     count = np.where(best >= MIN_MATCH, np.maximum(count, 0), 0)
     offsets = np.arange(k)
@@ -112,7 +112,7 @@ def expected_accepted(conditional: np.ndarray) -> np.ndarray:
 
 def match_buckets(matches: np.ndarray) -> np.ndarray:
     """Match lengths -> the buckets their acceptance is learned in."""
-    return np.clip(np.asarray(matches) - MIN_MATCH, 0, MATCH_BUCKETS - 1)
+    return np.minimum(np.maximum(np.asarray(matches) - MIN_MATCH, 0), MATCH_BUCKETS - 1)
 
 
 def continuation_keys(proposals: NgramProposals) -> np.ndarray:

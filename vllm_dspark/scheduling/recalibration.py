@@ -36,8 +36,10 @@ _EPS = 1e-6
 
 
 def logit(p: np.ndarray) -> np.ndarray:
-    """log(p / (1 - p)), finite for p in [0, 1] (clipped by `_EPS`)."""
-    p = np.clip(p, _EPS, 1.0 - _EPS)
+    """log(p / (1 - p)), finite for p in [0, 1] (clipped by `_EPS`; minimum and maximum
+    rather than np.clip, which costs about three times as much on these small arrays and
+    runs several times every engine step)."""
+    p = np.minimum(np.maximum(p, _EPS), 1.0 - _EPS)
     return np.log(p) - np.log1p(-p)
 
 
@@ -115,6 +117,6 @@ class OnlineRecalibrator:
         idle = ~(positions < verified[:, None]).any(axis=0)
         slopes = np.where(idle, 1.0 + (1.0 - self.prior_pull) * (self.slopes[:width] - 1.0), slopes)
         shifts = np.where(idle, (1.0 - self.prior_pull) * self.shifts[:width], shifts)
-        self.slopes[:width] = np.clip(slopes, 1.0 / self.max_slope, self.max_slope)
-        self.shifts[:width] = np.clip(shifts, -self.max_shift, self.max_shift)
+        self.slopes[:width] = np.minimum(np.maximum(slopes, 1.0 / self.max_slope), self.max_slope)
+        self.shifts[:width] = np.minimum(np.maximum(shifts, -self.max_shift), self.max_shift)
         self.judged[:width] += count

@@ -33,10 +33,6 @@ class SpsCurve(pydantic.BaseModel):
     points: list[tuple[int, float]]
     metadata: dict[str, str] = {}
 
-    _batch: np.ndarray = pydantic.PrivateAttr()
-    _step_time: np.ndarray = pydantic.PrivateAttr()
-    _per_token: np.ndarray = pydantic.PrivateAttr(default_factory=lambda: np.empty(0))
-    _min_step_time: float = pydantic.PrivateAttr()
 
     @pydantic.field_validator("points")
     @classmethod
@@ -59,18 +55,25 @@ class SpsCurve(pydantic.BaseModel):
     def model_post_init(self, __context: object) -> None:
         batch = [float(b) for b, _ in self.points]
         step_time = [1.0 / s for _, s in self.points]
-        self._min_step_time = min(step_time)
+        fastest = min(step_time)
         slope = 0.0
         if len(batch) > 1:
             slope = max(0.0, (step_time[-1] - step_time[-2]) / (batch[-1] - batch[-2]))
         # A far sentinel point makes np.interp itself do the tail extrapolation.
         batch.append(batch[-1] + _FAR)
         step_time.append(step_time[-1] + slope * _FAR)
-        self._batch = np.array(batch)
-        self._step_time = np.array(step_time)
+        self._cache(_min_step_time=fastest, _batch=np.array(batch), _step_time=np.array(step_time),
+                    _per_token=np.empty(0))
+
+    def _cache(self, **values: object) -> None:
+        """Keep derived tables as plain instance attributes: pydantic serves its private
+        attributes through `__getattr__`, about 3 us a read, and the scheduler reads these
+        several times every engine step. They are not fields, so they are never dumped."""
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     def __eq__(self, other: object) -> bool:
-        # pydantic's default also compares the private NumPy caches, which has no truth value.
+        # pydantic's default also compares the NumPy caches, which has no truth value.
         if not isinstance(other, SpsCurve):
             return NotImplemented
         return self.points == other.points and self.metadata == other.metadata
@@ -118,7 +121,7 @@ class SpsCurve(pydantic.BaseModel):
         if end > len(self._per_token):
             table = self(np.arange(max(end, 2 * len(self._per_token), 64), dtype=np.float64))
             table.flags.writeable = False
-            self._per_token = table
+            self._cache(_per_token=table)
         return self._per_token[first:end]
 
     @classmethod
