@@ -180,14 +180,18 @@ def tokens_with_drafter(runner: Any, scheduler_output: Any, without_drafter: fro
 
 
 def plain_step_context(runner: Any, drafter: Any, step: dict[str, Any]) -> ContextRows | None:
-    """The context rows of a step that verified nothing, straight from the runner's state
+    """The context rows of a step that drafts nothing, straight from the runner's state
     (`step`: the arguments of its `propose_draft_token_ids`): every scheduled token's
     target states (the drafter's concatenated layers where the runner captures them), its
     position, and its slot in the drafter's cache, which the runner already computed for
     this step's forward pass when the drafter's layers share its cache groups. What
-    `step_context` stores, without vLLM's next-token preparation and the drafter's input
-    kernel, which only a draft needs. None where the runner has no slots for the drafter's
-    layers (the caller then takes vLLM's path)."""
+    `step_context` stores with vLLM's padded drafter batch, without vLLM's next-token
+    preparation and the drafter's input kernel, which only a draft needs. The rows of
+    drafts the step rejected are among them, as in vLLM's padded batch: the drafter reads a
+    request's slots up to its accepted tokens only, and the slots beyond are written again
+    (by a later step's context or a draft's own query block) before they are read. None
+    where the runner has no slots for the drafter's layers (the caller then takes vLLM's
+    path)."""
     import torch
 
     slot_mappings, layers = step["slot_mappings"], getattr(drafter, "_draft_attn_layer_names", None)

@@ -53,11 +53,13 @@ reads is in `compat.py`). Each patch is idempotent and applies in every vLLM pro
    vLLM 0.32 builds it whenever speculation is configured, so such a step still ran the
    rejection sampler over zero drafts and the padded drafter inputs; now it samples and
    hands the drafter its states as the runner's plain path does (same logits rows).
-14. `GPUModelRunner.propose_draft_token_ids`, for a step that verified nothing and drafts
-   nothing with the context deferred (option `defer_context`, no async scheduling), queues
-   the step's context rows straight from the runner's state (`compat.plain_step_context`)
-   instead of running vLLM's next-token preparation and the drafter's input kernel, which
-   only a draft needs (the proposal call 0.87 -> 0.48 ms a step under cProfile, R = 4, CPU).
+14. `GPUModelRunner.propose_draft_token_ids`, for a step that drafts nothing (none planned,
+   or the drafter left out for n-gram continuations) with the context deferred (option
+   `defer_context`, no async scheduling), queues the step's context rows straight from the
+   runner's state (`compat.plain_step_context`) instead of running vLLM's next-token
+   preparation and the drafter's input kernel, which only a draft needs (the proposal call
+   0.87 -> 0.48 ms a step under cProfile, R = 4, CPU, on steps that verified nothing; since
+   2026-12-07 also on steps that verified drafts).
 """
 
 from __future__ import annotations
@@ -278,30 +280,31 @@ def _patch_model_runner() -> None:
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
         self._vllm_dspark_verifies_next = getattr(scheduler_output, VERIFIES_NEXT_FIELD, True)
-        if isinstance(drafter, DSparkProposer):
-            without = getattr(scheduler_output, WITHOUT_DRAFTER_FIELD, frozenset())
-            drafter.context_kept = compat.tokens_with_drafter(self, scheduler_output, without) if without else None
-        if (isinstance(drafter, DSparkProposer) and drafter.is_dspark and drafter.defers_context
-                and not scheduler_output.num_spec_tokens_to_schedule and not self.use_async_scheduling):
+        if not isinstance(drafter, DSparkProposer):
+            return original_propose(self, scheduler_output, *args, **kwargs)
+        without = getattr(scheduler_output, WITHOUT_DRAFTER_FIELD, frozenset())
+        drafter.context_kept = compat.tokens_with_drafter(self, scheduler_output, without) if without else None
+        # The scheduler's early-stop survival for this proposal (it travels on the
+        # scheduler output; 0, no early stop, where it did not arrive).
+        drafter.min_survival = getattr(scheduler_output, MIN_SURVIVAL_FIELD, 0.0)
+        skip = getattr(scheduler_output, DRAFTER_SKIP_FIELD, None)
+        self._vllm_dspark_lookup, drafter.skip_for_ngram = None, False
+        # (The scheduler sends a skip only with the hybrid lookup on.)
+        if skip is not None and drafter.is_dspark and scheduler_output.num_spec_tokens_to_schedule:
+            self._vllm_dspark_lookup = lookup_after_step(self, args[0] if args else kwargs.get("sampled_token_ids"))
+            if self._vllm_dspark_lookup is not None:
+                greedy = self.input_batch.temperature_cpu[: self.input_batch.num_reqs] == 0.0
+                drafter.skip_for_ngram = skip.applies(self._vllm_dspark_lookup[1], greedy)
+        if (drafter.is_dspark and drafter.defers_context and not self.use_async_scheduling
+                and (drafter.skip_for_ngram or not scheduler_output.num_spec_tokens_to_schedule)):
+            # Nothing to draft: queue the context rows straight from the runner's state
+            # (patch 14), without vLLM's next-token preparation and input kernel.
             step = propose_signature.bind(self, scheduler_output, *args, **kwargs).arguments
-            if step["spec_decode_metadata"] is None:
-                # Nothing verified (so nothing rejected) and nothing to draft: queue the
-                # context rows straight from the runner's state (patch 14).
-                rows = compat.plain_step_context(self, drafter, step)
-                if rows is not None:
-                    return drafter.propose_context_only(lambda: rows, step["common_attn_metadata"].batch_size())
-        if isinstance(drafter, DSparkProposer):
-            # The scheduler's early-stop survival for this proposal (it travels on the
-            # scheduler output; 0, no early stop, where it did not arrive).
-            drafter.min_survival = getattr(scheduler_output, MIN_SURVIVAL_FIELD, 0.0)
-            skip = getattr(scheduler_output, DRAFTER_SKIP_FIELD, None)
-            self._vllm_dspark_lookup, drafter.skip_for_ngram = None, False
-            # (The scheduler sends a skip only with the hybrid lookup on.)
-            if skip is not None and drafter.is_dspark and scheduler_output.num_spec_tokens_to_schedule:
-                self._vllm_dspark_lookup = lookup_after_step(self, args[0] if args else kwargs.get("sampled_token_ids"))
-                if self._vllm_dspark_lookup is not None:
-                    greedy = self.input_batch.temperature_cpu[: self.input_batch.num_reqs] == 0.0
-                    drafter.skip_for_ngram = skip.applies(self._vllm_dspark_lookup[1], greedy)
+            rows = compat.plain_step_context(self, drafter, step)
+            if rows is not None:
+                skipped, drafter.skip_for_ngram = drafter.skip_for_ngram, False
+                self._draft_probs = self._draft_prob_req_ids = None  # as vLLM's proposal resets them
+                return drafter.propose_context_only(lambda: rows, step["common_attn_metadata"].batch_size(), skipped)
         return original_propose(self, scheduler_output, *args, **kwargs)
 
     runner_cls.take_draft_token_ids = take_draft_token_ids
