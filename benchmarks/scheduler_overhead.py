@@ -93,7 +93,7 @@ def hybrid_step(num_requests: int) -> tuple[Callable[[np.ndarray], None], Verifi
     engine makes it: the step starts and the controller decides the lengths of the pending
     proposals (n-gram continuations where the choice took them, the drafter's blocks
     elsewhere), the step is scheduled and its drafting planned, the worker looks up every
-    request's continuation on contexts of 300-500 tokens and applies the skip's rule, the
+    request's continuation on contexts of 300-600 tokens and applies the skip's rule, the
     drafts arrive and the controller chooses between the proposals, and the outcome comes
     back. The greedy requests accept a random part of what they verify. Returns the step
     (confidences [R, K] of the drafter's next blocks) and the controller it drives."""
@@ -124,7 +124,7 @@ def hybrid_step(num_requests: int) -> tuple[Callable[[np.ndarray], None], Verifi
         controller.step_scheduled(0.05 * state["step"], num_requests + sum(scheduled.values()), scheduled, 0,
                                   num_requests)
         plan = controller.plan_drafting(num_requests)
-        proposals = hybrid.lookup_continuations(token_ids, 300 + (state["step"] % 200) + rows, rows, BLOCK, 8192)
+        proposals = hybrid.lookup_continuations(token_ids, 300 + state["step"] % 200 + rows % 100, rows, BLOCK, 8192)
         skipped = plan.drafter_skip is not None and plan.drafter_skip.applies(proposals, greedy)
         depth = 0 if skipped else plan.depth
         controller.observe_drafting(num_requests, depth, num_requests * depth, 0.004 if depth else 0.001, skipped)
