@@ -33,7 +33,6 @@ class SpsCurve(pydantic.BaseModel):
     points: list[tuple[int, float]]
     metadata: dict[str, str] = {}
 
-
     @pydantic.field_validator("points")
     @classmethod
     def _check_points(cls, points: list[tuple[int, float]]) -> list[tuple[int, float]]:
