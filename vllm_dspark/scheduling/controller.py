@@ -142,11 +142,15 @@ class DraftingCost:
 
     @staticmethod
     def features(num_requests: int, depths: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
-        """[len(depths), 4] regressors; `rows` defaults to every request drafting each depth in full."""
+        """[len(depths), 4] regressors; `rows` defaults to every request drafting each depth in full.
+        Filled column by column (np.stack costs more than the product; the plan asks every step)."""
         depths = np.asarray(depths, dtype=np.float64)
-        requests = np.full_like(depths, float(num_requests))
-        rows = requests * depths if rows is None else np.asarray(rows, dtype=np.float64)
-        return np.stack([requests, (depths > 0).astype(np.float64), requests * depths, rows], axis=-1)
+        x = np.empty((len(depths), 4))
+        x[:, 0] = num_requests
+        x[:, 1] = depths > 0
+        x[:, 2] = num_requests * depths
+        x[:, 3] = x[:, 2] if rows is None else rows
+        return x
 
     def observe(self, num_requests: int, depth: int, rows: int, seconds: float) -> None:
         x = self.features(num_requests, np.array([depth]), np.array([rows]))[0]
@@ -157,11 +161,8 @@ class DraftingCost:
         self.samples += 1
 
     def predict(self, num_requests: int, depths: np.ndarray) -> np.ndarray:
-        """Seconds for each depth, counting every request's rows up to it (no early stop):
-        `features(num_requests, depths) @ weights`, written out (the plan asks every step)."""
-        context, fixed, query, rows = self.weights.tolist()
-        depths = np.asarray(depths, dtype=np.float64)
-        return np.maximum(0.0, num_requests * context + fixed * (depths > 0) + (query + rows) * num_requests * depths)
+        """Seconds for each depth, counting every request's rows up to it (no early stop)."""
+        return np.maximum(0.0, self.features(num_requests, depths) @ self.weights)
 
 
 @dataclass(frozen=True)
