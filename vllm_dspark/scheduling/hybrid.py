@@ -22,7 +22,7 @@ tokens are still distributed as the target's samples.
 
 The n-gram proposal's confidences are learned online from its own outcomes
 (`NgramConfidence`): the conditional acceptance per (sampling mode, match length,
-position), counted with slow forgetting and shrunk towards its neighbours' estimates.
+position), counted with a uniform prior and slow forgetting.
 """
 
 from __future__ import annotations
@@ -38,11 +38,6 @@ MAX_MATCH = 8
 # share the last bucket.
 MATCH_BUCKETS = 5
 SAMPLING_MODES = ("greedy", "sampled")
-# Pseudo-counts of the prior each n-gram confidence is shrunk towards (`NgramConfidence`):
-# a cell whose neighbour accepts 95% falls to 0.76 after one rejection, to 0.63 after two
-# (with 2, one rejection took it to 0.63: about where the slot stops being worth verifying
-# at 16 requests, so one unlucky draft could end its exploration).
-PRIOR_STRENGTH = 4.0
 # A request's situation for the drafter skip (`continuation_keys`): 0 without a
 # continuation, 1 + its match bucket with one.
 CONTINUATION_KEYS = 1 + MATCH_BUCKETS
@@ -136,46 +131,22 @@ def conditional_from_table(table: np.ndarray, matches: np.ndarray, lengths: np.n
 @dataclass
 class NgramConfidence:
     """Conditional acceptance of n-gram drafts, per sampling mode, match bucket and
-    position, with the counts decayed by `forgetting` each observed step so the estimate
-    follows the traffic.
-
-    Each cell is (accepted + s * prior) / (judged + s), s = `PRIOR_STRENGTH`, and its
-    prior is learned too: for position 1 the mode's position-1 rate over every match
-    bucket, for a later position the estimate of the position before it in the same
-    bucket (a copy that has held so far tends to hold on). A fixed prior of 0.5 did not
-    learn: the policy verifies a position only where its estimate makes it worth a slot,
-    so a cell is judged only while it looks good, and one that starts (or falls) low stays
-    there. Measured at 16 requests on code after two closed-loop turns: four-token matches
-    were accepted at 0.83-0.94 at positions 1-3 (324 judgements), while positions 5-7
-    had never been judged and sat at 0.5, and position 4 at 0.35 after its one rejection,
-    so their continuations were cut after three tokens."""
+    position: (accepted + 1) / (judged + 2), with the counts decayed by `forgetting`
+    each observed step so the estimate follows the traffic."""
 
     width: int
     forgetting: float = 0.999
     accepted: np.ndarray = field(init=False)
     judged: np.ndarray = field(init=False)
-    _table: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         shape = (len(SAMPLING_MODES), MATCH_BUCKETS, self.width)
         self.accepted = np.zeros(shape)
         self.judged = np.zeros(shape)
-        self._table = self._estimate()
 
     def table(self) -> np.ndarray:
         """[mode, match bucket, position] conditional acceptance as learned so far."""
-        return self._table
-
-    def _estimate(self) -> np.ndarray:
-        """The table from the counts (computed once per observed step: it is read several
-        times a step)."""
-        first = (self.accepted[:, :, 0].sum(axis=1) + 1.0) / (self.judged[:, :, 0].sum(axis=1) + 2.0)
-        prior = np.repeat(first[:, None], MATCH_BUCKETS, axis=1)  # [mode, bucket]
-        table = np.empty_like(self.accepted)
-        for position in range(self.width):
-            prior = (self.accepted[:, :, position] + PRIOR_STRENGTH * prior) / (self.judged[:, :, position] + PRIOR_STRENGTH)
-            table[:, :, position] = prior
-        return table
+        return (self.accepted + 1.0) / (self.judged + 2.0)
 
     def conditional(self, matches: np.ndarray, lengths: np.ndarray, greedy: np.ndarray) -> np.ndarray:
         """[R, width] conditional confidences of the proposals (0 beyond their length)."""
@@ -195,7 +166,6 @@ class NgramConfidence:
         index = (np.where(greedy, 0, 1), match_buckets(matches))
         np.add.at(self.judged, index, judged)
         np.add.at(self.accepted, index, hits & judged)
-        self._table = self._estimate()
 
 
 def prefer_ngram(
