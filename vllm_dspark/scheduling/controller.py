@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -371,7 +371,7 @@ class VerificationController:
         if self._verification_vetoed:  # n-gram rows on a step the check keeps plain
             verified = np.zeros_like(verified)
         elif ngram.any() and self.ngram is not None:
-            probed = self._probed_ngram_rows(policy_step, ngram, matches, step, verified)
+            probed = self.ngram.probed(matches[ngram], step.greedy[ngram], verified[ngram], step.proposed[ngram])
             self.stats.ngram_probes += int((probed - verified[ngram]).sum())
             verified[ngram] = probed
         decision = VerifyDecision(step.req_ids, step.proposed, verified, confidences, step.base_tokens,
@@ -380,22 +380,6 @@ class VerificationController:
         self._track_survival(survival[~ngram], step.proposed[~ngram])
         self._decision = (decision, survival, raw, step.greedy, matches)
         return decision
-
-    def _probed_ngram_rows(self, policy_step: PolicyStep, ngram: np.ndarray, matches: np.ndarray, step: StepInputs,
-                           verified: np.ndarray) -> np.ndarray:
-        """The n-gram rows' verified lengths with their probes (`NgramConfidence.probed`):
-        the same policy on the same step, its n-gram rows read from the optimistic table,
-        says where a rarely judged position could be worth verifying at this load."""
-        width = policy_step.confidences.shape[1]
-        optimistic = hybrid.conditional_from_table(self.ngram.optimistic_table(), matches[ngram], step.proposed[ngram],
-                                                   step.greedy[ngram])[:, :width]
-        if np.array_equal(optimistic, policy_step.confidences[ngram]):
-            return verified[ngram]
-        confidences = policy_step.confidences.copy()
-        confidences[ngram] = optimistic
-        worth = decide_lengths(self.policy, replace(policy_step, confidences=confidences))
-        return self.ngram.probed(matches[ngram], step.greedy[ngram], verified[ngram],
-                                 np.minimum(worth[ngram], step.proposed[ngram]))
 
     def step_scheduled(
         self,

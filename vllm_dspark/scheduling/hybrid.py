@@ -29,11 +29,8 @@ judged again (measured at code R = 16: four-token matches accepted at 0.83-0.94 
 their first three positions were cut there, the fourth at 0.35 after one rejection, the
 later ones never judged; benchmarks/results/closed_loop/README.md). `NgramConfidence.
 probed` therefore verifies one position beyond the policy's cut where that position has
-few judgements and where the policy would verify further were those judgements all
-successes (`optimistic_table`): optimism decides where to look, the estimates stay as
-counted, and where drafts are dear (chat at R = 16) even an optimistic position is not
-worth a probe. The probe reads only the table, the proposal's length and the policy's
-inputs, all known before the step's tokens are drawn, so it keeps verification exact.
+few judgements. The probe reads only the table and the proposal's length, both known
+before the step's tokens are drawn, so it keeps verification exact.
 """
 
 from __future__ import annotations
@@ -49,9 +46,8 @@ MAX_MATCH = 8
 # share the last bucket.
 MATCH_BUCKETS = 5
 SAMPLING_MODES = ("greedy", "sampled")
-# A continuation position judged fewer times than this (decayed counts) is probed: verified
-# one beyond the policy's cut, a few requests a step, where it would be worth verifying
-# were its missing judgements all successes.
+# A continuation position judged fewer times than this (decayed counts) is verified one
+# beyond the policy's cut, a few requests a step, until it has that many judgements.
 PROBE_JUDGEMENTS = 8
 # A request's situation for the drafter skip (`continuation_keys`): 0 without a
 # continuation, 1 + its match bucket with one.
@@ -182,28 +178,20 @@ class NgramConfidence:
         np.add.at(self.judged, index, judged)
         np.add.at(self.accepted, index, hits & judged)
 
-    def optimistic_table(self) -> np.ndarray:
-        """`table()` as if each cell's judgements missing to `PROBE_JUDGEMENTS` had all been
-        accepted: how good a rarely judged position could plausibly be (a cell never judged
-        reads 0.9, one rejected once 0.8; well judged cells read as counted)."""
-        lacking = np.maximum(PROBE_JUDGEMENTS - self.judged, 0.0)
-        return (self.accepted + 1.0 + lacking) / (self.judged + 2.0 + lacking)
-
-    def probed(self, matches: np.ndarray, greedy: np.ndarray, verified: np.ndarray, worth: np.ndarray) -> np.ndarray:
-        """`verified` n-gram drafts per request, one more where `worth` (what the policy
-        verifies on `optimistic_table`) goes further and the next position has fewer than
-        `PROBE_JUDGEMENTS` judgements: as many requests per (mode, match bucket, position)
-        as that cell lacks judgements, so a step where every request reaches the same cell
-        does not verify it sixteen times. Exploration is charged to the probe, never to the
-        estimates: a cell that keeps failing stays low and is probed again only as its
-        counts fade."""
+    def probed(self, matches: np.ndarray, greedy: np.ndarray, verified: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """`verified` n-gram drafts per request, one more where the continuation goes on and
+        its next position has fewer than `PROBE_JUDGEMENTS` judgements: as many requests
+        per (mode, match bucket, position) as that cell lacks judgements, so a step where
+        every request reaches the same cell does not verify it sixteen times. Exploration
+        is charged to the probe, never to the estimates: a cell that keeps failing stays
+        low and is probed again only as its counts fade."""
         verified = np.asarray(verified, dtype=np.int64)
         if not len(verified):
             return verified
         position = np.minimum(verified, self.width - 1)
         cell = np.ravel_multi_index((np.where(greedy, 0, 1), match_buckets(matches), position), self.judged.shape)
         lacking = np.ceil(PROBE_JUDGEMENTS - self.judged.ravel()[cell])
-        candidate = (verified < np.asarray(worth)) & (lacking > 0)
+        candidate = (verified < np.asarray(lengths)) & (lacking > 0)
         key = np.where(candidate, cell, -1)
         order = np.argsort(key, kind="stable")
         sorted_keys = key[order]
