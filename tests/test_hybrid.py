@@ -334,52 +334,8 @@ def test_requests_without_a_proposal_count_as_plain_requests_of_the_pass() -> No
     steep = SpsCurve(points=[(1, 10.0), (16, 5.0)])  # a step of 8 tokens costs 1.47 of one
     ctrl = VerificationController(PluginOptions(policy="dspark", sps_table=steep.points, measure_step_overhead=False),
                                   steep, num_speculative_tokens=4)
-    judged_enough(ctrl.ngram, rate=0.5)  # the policy's cut alone, no probe beyond it
     alone, beside_plain = (ctrl.decide(StepInputs(
         req_ids=("a",), confidences=row, proposed=np.array([4]), greedy=np.array([True]), ngram_matches=np.array([5]),
         base_tokens=plain, plain_requests=plain)) for plain in (0, 7))
     assert beside_plain.plain_requests == 7
     assert (alone.verified[0], beside_plain.verified[0]) == (3, 1)
-
-
-def judged_enough(table: hybrid.NgramConfidence, rate: float) -> None:
-    """Every cell judged `PROBE_JUDGEMENTS` times at an estimate of `rate`: nothing to probe."""
-    table.judged[:] = hybrid.PROBE_JUDGEMENTS
-    table.accepted[:] = rate * (hybrid.PROBE_JUDGEMENTS + 2) - 1
-
-
-def test_a_rarely_judged_position_is_probed_until_it_has_enough_judgements() -> None:
-    """The code R = 16 failure: positions 1-3 of a bucket well judged, position 4 rejected
-    once and never verified again. Probes verify it one beyond the policy's cut, as many
-    requests a step as it lacks judgements, and stop once it has them."""
-    table = hybrid.NgramConfidence(width=7, forgetting=1.0)
-    judged_enough(table, rate=0.9)
-    bucket = hybrid.match_buckets(4)
-    table.judged[0, bucket, 3], table.accepted[0, bucket, 3] = 1.0, 0.0
-    greedy, matches = np.ones(20, dtype=bool), np.full(20, 4)
-    cut_at_three, long_continuations = np.full(20, 3), np.full(20, 7)
-    probed = table.probed(matches, greedy, cut_at_three, long_continuations)
-    assert (probed == 4).sum() == hybrid.PROBE_JUDGEMENTS - 1 and set(probed) == {3, 4}
-    # Continuations that end at the cut have nothing more to verify; sampled requests and
-    # other match lengths read their own (well judged) cells.
-    assert (table.probed(matches, greedy, cut_at_three, cut_at_three) == 3).all()
-    assert (table.probed(matches, ~greedy, cut_at_three, long_continuations) == 3).all()
-    assert (table.probed(np.full(20, 6), greedy, cut_at_three, long_continuations) == 3).all()
-    # The probes' outcomes are judgements like any other; rejected ones keep the estimate low.
-    for _ in range(hybrid.PROBE_JUDGEMENTS - 1):
-        table.observe(np.array([4]), np.array([True]), np.array([4]), np.array([3]))
-    assert (table.probed(matches, greedy, cut_at_three, long_continuations) == 3).all()
-    assert table.table()[0, bucket, 3] < 0.15
-    assert len(table.probed(matches[:0], greedy[:0], cut_at_three[:0], long_continuations[:0])) == 0
-
-
-def test_the_controller_probes_ngram_rows_but_not_on_a_step_kept_plain() -> None:
-    steep = SpsCurve(points=[(1, 10.0), (2, 2.0), (16, 1.0)])  # no draft at 0.5 is worth a step this dear
-    ctrl = VerificationController(PluginOptions(policy="dspark", sps_table=steep.points, measure_step_overhead=False),
-                                  steep, num_speculative_tokens=4)
-    step = StepInputs(req_ids=("a",), confidences=np.zeros((1, 4)), proposed=np.array([4]), greedy=np.array([True]),
-                      ngram_matches=np.array([5]))
-    assert ctrl.decide(step).verified[0] == 1 and ctrl.stats.ngram_probes == 1  # first position, never judged
-    ctrl.step_scheduled(0.0, 2)
-    ctrl._verification_vetoed = True
-    assert ctrl.decide(step).verified[0] == 0 and ctrl.stats.ngram_probes == 1

@@ -64,8 +64,6 @@ def _engine_families(engine: int, stats: DSparkStats) -> list:
          "without the drafter", stats.drafter_reference_steps),
         ("drafter_skipped_steps", "Steps the drafter was left out, predicted faster with n-gram continuations alone",
          stats.drafter_skipped_steps),
-        ("ngram_probe_tokens", "N-gram drafts verified beyond the policy's cut to judge a rarely judged position",
-         stats.ngram_probes),
         ("requests_without_drafter", "Requests admitted without the drafter: it measured no gain at their load",
          stats.requests_without_drafter),
     ]:

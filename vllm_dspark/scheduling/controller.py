@@ -370,10 +370,6 @@ class VerificationController:
         verified = np.minimum(decide_lengths(self.policy, policy_step), step.proposed)
         if self._verification_vetoed:  # n-gram rows on a step the check keeps plain
             verified = np.zeros_like(verified)
-        elif ngram.any() and self.ngram is not None:
-            probed = self.ngram.probed(matches[ngram], step.greedy[ngram], verified[ngram], step.proposed[ngram])
-            self.stats.ngram_probes += int((probed - verified[ngram]).sum())
-            verified[ngram] = probed
         decision = VerifyDecision(step.req_ids, step.proposed, verified, confidences, step.base_tokens,
                                   step.plain_requests)
         survival = np.cumprod(confidences, axis=1)

@@ -22,15 +22,7 @@ tokens are still distributed as the target's samples.
 
 The n-gram proposal's confidences are learned online from its own outcomes
 (`NgramConfidence`): the conditional acceptance per (sampling mode, match length,
-position), counted with a uniform prior and slow forgetting. A position is judged only
-where it is verified, and the policy verifies it only while its estimate looks worth it,
-so a position that starts at the prior or falls after one rejection would never be
-judged again (measured at code R = 16: four-token matches accepted at 0.83-0.94 over
-their first three positions were cut there, the fourth at 0.35 after one rejection, the
-later ones never judged; benchmarks/results/closed_loop/README.md). `NgramConfidence.
-probed` therefore verifies one position beyond the policy's cut where that position has
-few judgements. The probe reads only the table and the proposal's length, both known
-before the step's tokens are drawn, so it keeps verification exact.
+position), counted with a uniform prior and slow forgetting.
 """
 
 from __future__ import annotations
@@ -46,9 +38,6 @@ MAX_MATCH = 8
 # share the last bucket.
 MATCH_BUCKETS = 5
 SAMPLING_MODES = ("greedy", "sampled")
-# A continuation position judged fewer times than this (decayed counts) is verified one
-# beyond the policy's cut, a few requests a step, until it has that many judgements.
-PROBE_JUDGEMENTS = 8
 # A request's situation for the drafter skip (`continuation_keys`): 0 without a
 # continuation, 1 + its match bucket with one.
 CONTINUATION_KEYS = 1 + MATCH_BUCKETS
@@ -177,29 +166,6 @@ class NgramConfidence:
         index = (np.where(greedy, 0, 1), match_buckets(matches))
         np.add.at(self.judged, index, judged)
         np.add.at(self.accepted, index, hits & judged)
-
-    def probed(self, matches: np.ndarray, greedy: np.ndarray, verified: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """`verified` n-gram drafts per request, one more where the continuation goes on and
-        its next position has fewer than `PROBE_JUDGEMENTS` judgements: as many requests
-        per (mode, match bucket, position) as that cell lacks judgements, so a step where
-        every request reaches the same cell does not verify it sixteen times. Exploration
-        is charged to the probe, never to the estimates: a cell that keeps failing stays
-        low and is probed again only as its counts fade."""
-        verified = np.asarray(verified, dtype=np.int64)
-        if not len(verified):
-            return verified
-        position = np.minimum(verified, self.width - 1)
-        cell = np.ravel_multi_index((np.where(greedy, 0, 1), match_buckets(matches), position), self.judged.shape)
-        lacking = np.ceil(PROBE_JUDGEMENTS - self.judged.ravel()[cell])
-        candidate = (verified < np.asarray(lengths)) & (lacking > 0)
-        key = np.where(candidate, cell, -1)
-        order = np.argsort(key, kind="stable")
-        sorted_keys = key[order]
-        group_start = np.maximum.accumulate(np.where(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]],
-                                                     np.arange(len(cell)), 0))
-        rank = np.empty(len(cell), dtype=np.int64)
-        rank[order] = np.arange(len(cell)) - group_start
-        return verified + (candidate & (rank < lacking))
 
 
 def prefer_ngram(

@@ -54,9 +54,6 @@ class DSparkStats:
     drafter_skipped_steps: int = 0
     ngram_verified: int = 0
     ngram_accepted: int = 0
-    # N-gram drafts verified one position beyond the policy's cut, to judge a position
-    # with few judgements (hybrid.NgramConfidence.probed); part of ngram_verified.
-    ngram_probes: int = 0
     # Requests admitted without the drafter: it measured no gain at their load (drafter_ledger.py).
     requests_without_drafter: int = 0
 
@@ -107,7 +104,7 @@ class DSparkStats:
             f"{self.drafting_seconds:.1f} s drafting, {self.vetoed_steps} steps not speculating on measured losses, "
             f"{self.reference_steps} plain reference steps"
             + (f", n-gram drafts proposed {self.ngram_proposed}, verified {self.ngram_verified}, "
-               f"accepted {self.ngram_accepted} ({self.ngram_probes} verified as probes), drafter left out on {self.drafter_skipped_steps} steps, "
+               f"accepted {self.ngram_accepted}, drafter left out on {self.drafter_skipped_steps} steps, "
                f"not drafting on {self.drafter_vetoed_steps} steps where steps without the drafter measured faster "
                f"and on {self.drafter_reference_steps} reference steps for that check"
                if self.ngram_proposed else "")
